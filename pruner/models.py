@@ -1,0 +1,99 @@
+"""Loading the offline models pruner ships or depends on.
+
+all-MiniLM-L6-v2 comes without a language-model head. pruner ships a small
+masked-LM readout (BERT's transform + a decoder tied to the word embeddings)
+trained on the frozen encoder, so masked-token perplexity of the real
+pretrained encoder can be measured before and after pruning.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pruner import assets
+
+MINILM_READOUT_FILE = "readout.safetensors"
+
+
+def load_minilm_mlm(readout: Path | str | None = "shipped"):
+    """`BertForMaskedLM` = all-MiniLM-L6-v2 encoder + masked-LM readout.
+
+    `readout="shipped"` loads pruner's trained readout, a path loads another one,
+    `None` leaves the readout freshly initialised (for training it).
+    """
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForMaskedLM
+
+    path = assets.minilm()
+    config = BertConfig.from_pretrained(path, tie_word_embeddings=True)
+    model = BertForMaskedLM.from_pretrained(path, config=config, dtype=torch.float32)
+    if readout is not None:
+        folder = assets.checkpoint("minilm-mlm-readout") if readout == "shipped" else Path(readout)
+        head = {k: v.float() for k, v in load_file(str(folder / MINILM_READOUT_FILE)).items()}
+        missing, unexpected = model.cls.load_state_dict(head, strict=False)
+        if unexpected or set(missing) - {"predictions.decoder.weight"}:
+            raise ValueError(f"readout {folder} does not match: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+    model.eval()
+    return model
+
+
+def mask_tokens(ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer, prob: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: `prob` of the non-special tokens are targets (80% [MASK], 10% random, 10% kept).
+
+    ids, attention_mask: (sample, q_pos). Returns (masked ids, labels with -100 off-target).
+    """
+    special = torch.zeros_like(ids, dtype=torch.bool)
+    for s in tokenizer.all_special_ids:
+        special |= ids == s
+    candidates = (attention_mask.bool() & ~special)
+    target = (torch.rand(ids.shape, generator=generator) < prob) & candidates
+    labels = torch.where(target, ids, torch.full_like(ids, -100))
+    roll = torch.rand(ids.shape, generator=generator)
+    x = ids.clone()
+    x[target & (roll < 0.8)] = tokenizer.mask_token_id
+    rand = target & (roll >= 0.8) & (roll < 0.9)
+    x[rand] = torch.randint(len(tokenizer), ids.shape, generator=generator)[rand]
+    return x, labels
+
+
+def resolve(name_or_path: str) -> str:
+    """A shipped checkpoint name (e.g. `minilm-causal`), a local folder, or a Hub id (as given)."""
+    if name_or_path in assets.CHECKPOINTS:
+        return str(assets.checkpoint(name_or_path))
+    if name_or_path == "minilm":
+        return str(assets.minilm())
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(f"{local} has no config.json: not a Hugging Face checkpoint folder")
+        return str(local)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+    return name_or_path  # a Hub id: transformers fetches it (needs the network)
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(name_or_path))
+
+
+def is_causal(config) -> bool:
+    """Whether a checkpoint is a causal LM (by its declared architecture or BERT's `is_decoder`)."""
+    return bool(getattr(config, "is_decoder", False)) or any(
+        a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str = "sdpa"):
+    """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    path = resolve(name_or_path)
+    cls = AutoModelForCausalLM if is_causal(AutoConfig.from_pretrained(path)) else AutoModel
+    model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
+    return model.to(device).eval()
