@@ -58,3 +58,38 @@ def format_table(table: torch.Tensor, fmt: str = "{:.2f}") -> str:
     for layer, row in enumerate(table.tolist()):
         lines.append(f"{layer:5d} | " + " ".join(fmt.format(v).rjust(4) for v in row))
     return "\n".join(lines)
+
+
+@torch.no_grad()
+def eager_stats(model, batch: TokenBatch, sinks, tokenizer=None, metrics: tuple[str, ...] = ("cosine", "js"),
+                batch_size: int = 8, dormant_threshold: float = 0.9):
+    """The statistics of `pruner.capture`, computed from stored eager maps (the reference path).
+
+    The scores are taken as log(a): softmax(log a) = a, so `chunk_stats` sees the
+    very rows the eager model produced, in one chunk of all T queries.
+    """
+    from pruner import stats as st
+    from pruner.models import is_causal
+    from pruner.sinks import sink_mask
+
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    causal = is_causal(model.config)
+    layers: list = []
+    try:
+        for b in batch.batches(batch_size):
+            maps = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                         output_attentions=True).attentions  # layer x (B, H, T, T)
+            sink = sink_mask(b.input_ids, b.attention_mask, sinks, tokenizer)
+            rows = b.attention_mask.bool() & ~sink
+            T = b.input_ids.shape[1]
+            valid = b.attention_mask.bool()[:, None, None, :].expand(-1, 1, T, -1)
+            if causal:
+                valid = valid & torch.ones(T, T, dtype=torch.bool).tril()
+            for i, a in enumerate(maps):
+                z = torch.log(a.double()).masked_fill(~valid, 0.0)
+                part = st.chunk_stats(z, sink, valid, rows, metrics, dormant_threshold)
+                layers.append(part) if len(layers) <= i else layers.__setitem__(i, layers[i] + part)
+    finally:
+        model.set_attn_implementation(impl)
+    return st.finalize(layers)

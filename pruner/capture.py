@@ -1,0 +1,163 @@
+"""Streaming attention capture through transformers' `AttentionInterface`.
+
+`Capture` registers an attention function that (1) delegates the real output to
+SDPA, untouched, and (2) recomputes the pre-softmax scores in query chunks
+(repeating keys for GQA) and folds each chunk into per-layer sums
+(`pruner.stats`). It never holds layers x heads x T x T: the extra memory is one
+chunk, O(batch x heads x chunk x T). The model's attention implementation is
+restored on exit, whatever happens inside.
+
+    with Capture(model, sinks, tokenizer) as cap:
+        cap.run(batch)                      # any number of batches
+    head_stats = cap.result()               # pruner.stats.HeadStats
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner import stats as st
+from pruner.data import TokenBatch
+from pruner.sinks import SinkSpec, relative_positions, sink_mask
+
+IMPL = "pruner_capture"
+_ACTIVE: "Capture | None" = None
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to accumulate and how finely to chunk the queries."""
+
+    chunk_size: int = 128
+    metrics: tuple[str, ...] = ("cosine", "js")
+    dormant_threshold: float = 0.9
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        bad = set(self.metrics) - set(st.PAIR_METRICS)
+        if bad:
+            raise ValueError(f"unknown pair metrics {sorted(bad)}; valid: {', '.join(st.PAIR_METRICS)}")
+
+
+def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function: SDPA output plus chunked statistics."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                 dropout=dropout, **kwargs)
+    if _ACTIVE is not None:
+        _ACTIVE._observe(module, query, key, attention_mask, scaling)
+    return out
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    if IMPL not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        AttentionInterface.register(IMPL, _capture_attention)
+        AttentionMaskInterface.register(IMPL, sdpa_mask)
+
+
+def valid_keys(mask: torch.Tensor | None, attention_mask_2d: torch.Tensor, q0: int, q1: int,
+               causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Keys each query of rows [q0, q1) may see, as bool (B, 1, c, K).
+
+    Uses the mask the model built (bool: True = attend; float: 0 = attend), or,
+    when SDPA was allowed to skip it, rebuilds causal + padding from the 2-D mask.
+    """
+    keys = attention_mask_2d.bool()[:, None, None, :]  # (B, 1, 1, K)
+    if mask is not None:
+        m = mask[:, :, q0:q1, :]
+        m = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        return m & keys
+    K = attention_mask_2d.shape[1]
+    if not causal:
+        return keys.expand(-1, -1, q1 - q0, -1)
+    q = torch.arange(q0, q1, device=keys.device)[:, None]
+    return keys & (torch.arange(K, device=keys.device)[None, :] <= q)[None, None]
+
+
+class Capture:
+    """Scoped streaming capture: installs the attention function, always restores the model."""
+
+    def __init__(self, model, sinks: SinkSpec, tokenizer=None, config: CaptureConfig = CaptureConfig()):
+        self.model, self.sinks, self.tokenizer, self.config = model, sinks, tokenizer, config
+        self.layers: dict[int, st.LayerStats] = {}
+        self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # mask2d, sink, rows
+        self._saved_impl: str | None = None
+
+    def __enter__(self) -> "Capture":
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("another Capture is already active")
+        _register()
+        self._saved_impl = self.model.config._attn_implementation
+        self.model.set_attn_implementation(IMPL)
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+        self.model.set_attn_implementation(self._saved_impl)
+
+    @torch.no_grad()
+    def run(self, batch: TokenBatch, batch_size: int = 8, progress: bool = False) -> None:
+        """Forward every sample once, accumulating statistics."""
+        if _ACTIVE is not self:
+            raise RuntimeError("Capture.run must be called inside `with Capture(...)`")
+        device = next(self.model.parameters()).device
+        it = batch.batches(batch_size)
+        if progress:
+            it = tqdm(it, total=-(-len(batch) // batch_size), desc="capture", unit="batch")
+        for b in it:
+            ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
+            sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
+            self._batch = (mask2d, sink, mask2d.bool() & ~sink)
+            try:
+                self.model(input_ids=ids, attention_mask=mask2d)
+            finally:
+                self._batch = None
+
+    def _observe(self, module, query, key, mask, scaling) -> None:
+        if self._batch is None:
+            return
+        mask2d, sink, rows = self._batch
+        B, H, T, D = query.shape
+        if key.shape[2] != T:
+            raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
+        key = key.repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
+        scale = scaling if scaling is not None else D ** -0.5
+        causal = getattr(module, "is_causal", True)
+        total = None
+        for q0 in range(0, T, self.config.chunk_size):
+            q1 = min(T, q0 + self.config.chunk_size)
+            z = (query[:, :, q0:q1] @ key.transpose(-1, -2)) * scale  # (B, H, c, K)
+            valid = valid_keys(mask, mask2d, q0, q1, causal, z.dtype)
+            part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
+                                  self.config.dormant_threshold)
+            total = part if total is None else total + part
+        layer = module.layer_idx
+        self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+
+    def result(self) -> st.HeadStats:
+        if not self.layers:
+            raise ValueError("nothing captured: run at least one batch")
+        return st.finalize([self.layers[i] for i in sorted(self.layers)])
+
+
+def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
+                  config: CaptureConfig = CaptureConfig(), batch_size: int = 8,
+                  progress: bool = False) -> st.HeadStats:
+    """One call: capture statistics of `batch` and return the finalised head statistics."""
+    with Capture(model, sinks, tokenizer, config) as cap:
+        cap.run(batch, batch_size=batch_size, progress=progress)
+    return cap.result()
+
+
+__all__ = ["Capture", "CaptureConfig", "capture_stats", "relative_positions"]

@@ -1,0 +1,189 @@
+"""Mergeable per-head attention statistics: sums and counts, reduced exactly.
+
+Pure tensor math. `chunk_stats` turns one chunk of attention rows into a
+`LayerStats` of sums; `LayerStats` add (batches, processes), and `finalize`
+divides once at the end. Because only sums and counts are kept, batch size,
+batch order, padding and query chunking cannot change any statistic.
+
+Definitions (DESIGN section 5):
+
+- head-level rows: non-pad query rows whose query token is not a sink;
+- sink mass, full entropy, dormancy: means over head-level rows;
+- content entropy and CONTENT pairwise metrics: means over head-level rows with
+  >= 2 content keys (the others carry no content information; counted);
+- FULL pairwise metrics: means over all head-level rows;
+- pairwise head x head matrices are within a layer: the mean over the query rows
+  the two heads share (all of them) of the per-row metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from pruner import composition as cp
+
+Tensor = torch.Tensor
+PAIR_METRICS = ("cosine", "js", "hellinger", "tv", "aitchison")
+
+
+@dataclass
+class LayerStats:
+    """Sums and counts for one layer (float64). Per-head sums are (head,), pairs (head, head)."""
+
+    rows: Tensor            # () head-level rows
+    content_rows: Tensor    # () rows with >= 2 content keys
+    sink_mass: Tensor       # sum s
+    entropy_full: Tensor    # sum H(a)
+    entropy_content: Tensor  # sum H(c) over content rows
+    g: Tensor               # sum H_b(s) + s H(c_S)   (entropy attribution)
+    rest: Tensor            # sum 1 - s
+    rest_h_content: Tensor  # sum (1 - s) H(c)
+    dormant: Tensor         # rows with s >= dormant threshold
+    pairs: dict[str, Tensor] = field(default_factory=dict)  # "metric/convention" -> (head, head) sums
+
+    def __add__(self, other: "LayerStats") -> "LayerStats":
+        if self.pairs.keys() != other.pairs.keys():
+            raise ValueError("cannot merge statistics with different pairwise metrics")
+        kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "pairs"}
+        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()})
+
+
+def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
+    """Sum over rows of a per-row (B, c, H, H) pair metric, rows weighted by w (B, c)."""
+    return torch.einsum("bqij,bq->ij", x, w)
+
+
+def _cosine_pairs(p: Tensor) -> Tensor:
+    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
+    p = p.transpose(1, 2)  # (B, c, H, K)
+    n = p / p.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    return n @ n.transpose(-1, -2)
+
+
+def _hellinger_pairs(p: Tensor) -> Tensor:
+    r = p.clamp_min(0).sqrt().transpose(1, 2)  # (B, c, H, K)
+    bc = r @ r.transpose(-1, -2)
+    return (1 - bc).clamp_min(0).sqrt()
+
+
+def _loop_pairs(p: Tensor, fn) -> Tensor:
+    """Elementwise pair metrics, one head against all at a time: memory (B, H, c, K)."""
+    B, H, c, K = p.shape
+    out = p.new_empty(B, c, H, H)
+    for i in range(H):
+        out[:, :, i, :] = fn(p[:, i:i + 1], p).transpose(1, 2)  # (B, c, H)
+    return out
+
+
+def _js(p: Tensor, q: Tensor) -> Tensor:
+    m = (p + q) / 2
+    h = lambda x: -torch.xlogy(x, x).sum(-1)  # noqa: E731
+    return (h(m) - (h(p) + h(q)) / 2).clamp_min(0)
+
+
+def _tv(p: Tensor, q: Tensor) -> Tensor:
+    return (p - q).abs().sum(-1) / 2
+
+
+def _aitchison_pairs(clr: Tensor) -> Tensor:
+    """clr: (B, H, c, K) zero off parts -> (B, c, H, H) Aitchison distance."""
+    x = clr.transpose(1, 2)  # (B, c, H, K)
+    sq = (x * x).sum(-1)
+    d2 = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * (x @ x.transpose(-1, -2))
+    return d2.clamp_min(0).sqrt()
+
+
+def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tuple[str, ...],
+                  convention: str) -> dict[str, Tensor]:
+    """Per-row head x head metrics under one convention. Each (B, c, H, H).
+
+    z, a: (B, H, c, K) scores and weights; sink, valid: broadcastable (B, 1, c|1, K).
+    """
+    p, parts = cp.rows_for(a, sink, valid, convention)
+    p = torch.where(parts, p, torch.zeros((), dtype=p.dtype))  # (B, H, c, K)
+    out = {}
+    for m in metrics:
+        if m == "cosine":
+            out[m] = _cosine_pairs(p)
+        elif m == "hellinger":
+            out[m] = _hellinger_pairs(p)
+        elif m == "js":
+            out[m] = _loop_pairs(p, _js)
+        elif m == "tv":
+            out[m] = _loop_pairs(p, _tv)
+        elif m == "aitchison":
+            zz = torch.where(parts, z.to(torch.float64), torch.zeros((), dtype=torch.float64))
+            out[m] = _aitchison_pairs(cp.clr_log(zz, parts.expand_as(zz)))
+        else:
+            raise ValueError(f"unknown pair metric {m!r}; valid: {', '.join(PAIR_METRICS)}")
+    return out
+
+
+def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: tuple[str, ...] = (),
+                dormant_threshold: float = 0.9) -> LayerStats:
+    """Statistics of one chunk of query rows of one layer, as sums.
+
+    z: (B, H, c, K) pre-softmax scores (any value at invalid keys);
+    sink: (B, K) sink keys; valid: (B, 1|H, c, K) keys each query may see;
+    rows: (B, c) query rows that count (non-pad, not a sink).
+    """
+    z = z.to(torch.float64)
+    valid = valid.expand(z.shape)
+    sink = sink[:, None, None, :].expand(z.shape)
+    a = torch.softmax(z.masked_fill(~valid, float("-inf")), dim=-1)
+    a = torch.nan_to_num(a)  # fully masked (pad) query rows: zeros, and they never count
+    e = cp.entropy_parts(a, sink, valid)  # each (B, H, c)
+    n_content = cp.content_count(sink, valid)  # (B, H, c), same for every head
+    w = rows.to(torch.float64)  # (B, c)
+    wc = w * (n_content[:, 0] >= 2)
+    per_head = lambda x, wt: torch.einsum("bhq,bq->h", x, wt)  # noqa: E731
+    pairs = {}
+    for conv, wt in ((cp.FULL, w), (cp.CONTENT, wc)):
+        if metrics:
+            for name, m in pair_matrices(z, a, sink, valid, metrics, conv).items():
+                pairs[f"{name}/{conv}"] = _pair_sum(torch.nan_to_num(m), wt)
+    return LayerStats(
+        rows=w.sum(), content_rows=wc.sum(),
+        sink_mass=per_head(e.s, w), entropy_full=per_head(e.full, w),
+        entropy_content=per_head(e.h_content, wc),
+        g=per_head(e.g, w), rest=per_head(e.rest, w), rest_h_content=per_head(e.content, w),
+        dormant=per_head((e.s >= dormant_threshold).to(torch.float64), w), pairs=pairs)
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    """Finalised per-head means. Per-head fields: (layer, head); pairs: (layer, head, head)."""
+
+    sink_mass: Tensor
+    entropy_full: Tensor
+    entropy_content: Tensor
+    dormancy: Tensor
+    g: Tensor                 # mean H_b(s) + s H(c_S)
+    rest: Tensor              # mean 1 - s
+    h_content_weighted: Tensor  # sum (1-s) H(c) / sum (1-s): keeps H = g + rest * H(c) exact
+    rows: Tensor              # (layer,) head-level rows
+    content_rows: Tensor      # (layer,)
+    excluded_rows: Tensor     # (layer,) rows with < 2 content keys
+    pairs: dict[str, Tensor]
+
+
+def finalize(layers: list[LayerStats]) -> HeadStats:
+    """Divide the sums by their counts once, after every merge."""
+    if any(float(s.rows) == 0 for s in layers):
+        raise ValueError("no query rows were captured (all padding or sinks?)")
+    st = lambda name: torch.stack([getattr(s, name) for s in layers])  # noqa: E731
+    rows, crows = st("rows"), st("content_rows")
+    safe_c = crows.clamp_min(1)
+    pairs = {}
+    for key in layers[0].pairs:
+        denom = rows if key.endswith(cp.FULL) else safe_c
+        pairs[key] = torch.stack([s.pairs[key] for s in layers]) / denom[:, None, None]
+    per_head = lambda name, d: st(name) / d[:, None]  # noqa: E731
+    return HeadStats(
+        sink_mass=per_head("sink_mass", rows), entropy_full=per_head("entropy_full", rows),
+        entropy_content=per_head("entropy_content", safe_c), dormancy=per_head("dormant", rows),
+        g=per_head("g", rows), rest=per_head("rest", rows),
+        h_content_weighted=st("rest_h_content") / st("rest").clamp_min(1e-300),
+        rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs)
