@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from pruner import stats as st
 from pruner.data import TokenBatch
+from pruner.models import forward
 from pruner.sinks import SinkSpec, relative_positions, sink_mask
 
 IMPL = "pruner_capture"
@@ -120,7 +121,7 @@ class Capture:
             sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
-                self.model(input_ids=ids, attention_mask=mask2d)
+                forward(self.model, ids, mask2d)
             finally:
                 self._batch = None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pruner.data import TokenBatch
+from pruner.models import forward
 
 
 def sink_positions(input_ids: torch.Tensor, sink_ids: list[int] | None) -> torch.Tensor:
@@ -34,8 +35,8 @@ def eager_sink_mass(model, batch: TokenBatch, sink_ids: list[int] | None = None,
     total, rows = None, 0
     try:
         for b in batch.batches(batch_size):
-            maps = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                         output_attentions=True).attentions  # layer x (B, H, T, T)
+            maps = forward(model, b.input_ids, b.attention_mask,
+                           output_attentions=True).attentions  # layer x (B, H, T, T)
             sink = sink_positions(b.input_ids, sink_ids)  # (B, T)
             q_ok = b.attention_mask.bool() & ~sink
             q_ok[:, :from_query] = False
@@ -69,17 +70,17 @@ def eager_stats(model, batch: TokenBatch, sinks, tokenizer=None, metrics: tuple[
     very rows the eager model produced, in one chunk of all T queries.
     """
     from pruner import stats as st
-    from pruner.models import is_causal
+    from pruner.models import attends_causally
     from pruner.sinks import sink_mask
 
     impl = model.config._attn_implementation
     model.set_attn_implementation("eager")
-    causal = is_causal(model.config)
+    causal = attends_causally(model)
     layers: list = []
     try:
         for b in batch.batches(batch_size):
-            maps = model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                         output_attentions=True).attentions  # layer x (B, H, T, T)
+            maps = forward(model, b.input_ids, b.attention_mask,
+                           output_attentions=True).attentions  # layer x (B, H, T, T)
             sink = sink_mask(b.input_ids, b.attention_mask, sinks, tokenizer)
             rows = b.attention_mask.bool() & ~sink
             T = b.input_ids.shape[1]

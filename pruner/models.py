@@ -88,6 +88,11 @@ def is_causal(config) -> bool:
         a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
 
 
+def attends_causally(model) -> bool:
+    """Whether the model's self-attention modules are causal (read off the modules themselves)."""
+    return any(getattr(m, "is_causal", False) for m in model.modules() if hasattr(m, "layer_idx"))
+
+
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
                attn_implementation: str = "sdpa"):
     """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`."""
@@ -97,3 +102,14 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     cls = AutoModelForCausalLM if is_causal(AutoConfig.from_pretrained(path)) else AutoModel
     model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
     return model.to(device).eval()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from the first real token, so left padding never shifts them. (B, T)"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+    """One forward pass that is invariant to the padding side (explicit position ids)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=position_ids(attention_mask), **kwargs)

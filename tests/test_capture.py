@@ -1,0 +1,106 @@
+"""Streaming capture: equal to the eager reference, invariant to batching, padding and chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pruner import stats as st
+from pruner.capture import Capture, CaptureConfig, capture_stats
+from pruner.data import pad
+from pruner.eager import eager_stats
+from pruner.sinks import SinkSpec
+from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+
+pytestmark = pytest.mark.integration
+FIELDS = ("sink_mass", "entropy_full", "entropy_content", "dormancy", "g", "rest", "h_content_weighted",
+          "rows", "content_rows")
+METRICS = ("cosine", "js", "hellinger", "tv")
+
+
+def assert_stats_close(a: st.HeadStats, b: st.HeadStats, atol: float):
+    for f in FIELDS:
+        torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=0, atol=atol, msg=f)
+    assert a.pairs.keys() == b.pairs.keys()
+    for k in a.pairs:
+        torch.testing.assert_close(a.pairs[k], b.pairs[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+def spec_for(family):
+    return SinkSpec("first") if family in CAUSAL else SinkSpec("ids", ids=(1, 2))
+
+
+def test_capture_equals_eager_maps(family):
+    model = tiny_model(family)
+    batch = pad(ragged_batch(), pad_id=0, side="right")
+    spec = spec_for(family)
+    cap = capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=3, metrics=METRICS), batch_size=4)
+    ref = eager_stats(model, batch, spec, metrics=METRICS, batch_size=4)
+    assert_stats_close(cap, ref, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_capture_restores_implementation_on_error():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="boom"):
+        with Capture(model, SinkSpec("first")):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_capture_does_not_change_outputs():
+    model = tiny_model("gpt2")
+    batch = pad(ragged_batch(), pad_id=0)
+    from pruner.models import forward
+
+    before = forward(model, batch.input_ids, batch.attention_mask).logits
+    with Capture(model, SinkSpec("first")) as cap:
+        during = forward(model, batch.input_ids, batch.attention_mask).logits
+        cap.run(batch)
+    torch.testing.assert_close(during, before, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fam", ["gpt2", "llama", "bert"])
+def test_invariant_to_batch_size_padding_order_and_chunks(fam):
+    model = tiny_model(fam)
+    samples = ragged_batch(seed=1, n=7)
+    spec = spec_for(fam)
+    cfg = lambda c: CaptureConfig(chunk_size=c, metrics=METRICS)  # noqa: E731
+    base = capture_stats(model, pad(samples, 0, "right"), spec, config=cfg(64), batch_size=7)
+    variants = [
+        capture_stats(model, pad(samples, 0, "left"), spec, config=cfg(64), batch_size=7),
+        capture_stats(model, pad(samples, 0, "right"), spec, config=cfg(1), batch_size=1),
+        capture_stats(model, pad(samples[::-1], 0, "left"), spec, config=cfg(5), batch_size=3),
+        capture_stats(model, pad(samples, 0, "right"), spec, config=cfg(4), batch_size=2),
+    ]
+    for v in variants:
+        assert_stats_close(v, base, atol=1e-6)
+
+
+def test_merging_two_halves_equals_one_pass():
+    model = tiny_model("llama")
+    samples = ragged_batch(seed=2, n=8)
+    spec = SinkSpec("first")
+    with Capture(model, spec, config=CaptureConfig(metrics=METRICS)) as one:
+        one.run(pad(samples, 0))
+    halves = []
+    for part in (samples[:3], samples[3:]):
+        with Capture(model, spec, config=CaptureConfig(metrics=METRICS)) as c:
+            c.run(pad(part, 0))
+        halves.append(c.layers)
+    merged = st.finalize([halves[0][i] + halves[1][i] for i in sorted(halves[0])])
+    assert_stats_close(merged, one.result(), atol=1e-9)
+
+
+def test_rows_with_too_few_content_keys_are_excluded_and_counted():
+    model = tiny_model("llama")
+    batch = pad([[1, 5, 6, 7, 8]], 0)
+    stats = capture_stats(model, batch, SinkSpec("first"))
+    # query rows 1..4 (row 0 is the sink); rows 1 sees one content key -> excluded
+    assert stats.rows.tolist() == [4.0, 4.0]
+    assert stats.excluded_rows.tolist() == [1.0, 1.0]
