@@ -80,24 +80,39 @@ def choose_triggers(windows: torch.Tensor, special: set[int], cfg: dict) -> list
     counts = Counter(windows.flatten().tolist())
     ranked = [t for t, _ in counts.most_common() if t not in special]
     start, n = cfg["frequency_rank_start"], cfg["triggers_per_rule"]
-    pool = ranked[start:start + n * len(cfg["offsets"])]
-    return [pool[i * n:(i + 1) * n] for i in range(len(cfg["offsets"]))]
+    n_rules = len(cfg["offsets"]) if cfg["kind"] == "backcopy" else 1
+    pool = ranked[start:start + n * n_rules]
+    return [pool[i * n:(i + 1) * n] for i in range(n_rules)]
 
 
-def apply_rules(body: torch.Tensor, triggers: list[list[int]], offsets: list[int]) -> torch.Tensor:
+def apply_rules(body: torch.Tensor, triggers: list[list[int]], cfg: dict) -> torch.Tensor:
     """Write the trigger rules into windows (without BOS). body: (window, pos).
 
-    Left to right: at a trigger of rule k at position i, token i+1 becomes the
-    token at i - offset_k (when that position exists in the window).
+    Left to right, so a rewritten token can itself be copied later:
+    - backcopy: at a trigger of rule k at position i, token i+1 becomes the token
+      at i - offset_k (when that position exists in the window);
+    - induction: at a trigger seen before in the window, token i+1 becomes the
+      token that followed the trigger's previous occurrence.
     """
     out = body.clone()
-    lookup = {t: off for trig, off in zip(triggers, offsets) for t in trig}
+    if cfg["kind"] == "backcopy":
+        lookup = {t: off for trig, off in zip(triggers, cfg["offsets"]) for t in trig}
+    elif cfg["kind"] == "induction":
+        trig_set = {t for trig in triggers for t in trig}
+    else:
+        raise ValueError(f"unknown rule kind {cfg['kind']!r}")
     for row in out:
         r = row.tolist()
+        seen: dict[int, int] = {}
         for i in range(len(r) - 1):
-            off = lookup.get(r[i])
-            if off is not None and i - off >= 0:
-                r[i + 1] = r[i - off]
+            if cfg["kind"] == "backcopy":
+                off = lookup.get(r[i])
+                if off is not None and i - off >= 0:
+                    r[i + 1] = r[i - off]
+            elif r[i] in trig_set:
+                if r[i] in seen:
+                    r[i + 1] = seen[r[i]]
+                seen[r[i]] = r[i + 1]
         row.copy_(torch.tensor(r))
     return out
 
@@ -200,21 +215,21 @@ def train_loop(model, batches, steps: int, cfg: dict, on_step=None, params=None)
     model.eval()
 
 
-def scratch_data(settings: dict, tok):
+def scratch_data(settings: dict, family: str, tok):
     """Train windows with rules, and evaluation windows clean and with rules."""
-    cfg, rules = settings["scratch"], settings["rules"]
+    cfg, rules = settings["scratch"], settings[family]["rules"]
     bos = tok.bos_token_id
     train = token_windows(tok, load_texts(TextSource("shakespeare:train")), cfg["window"]).input_ids
     special = set(tok.all_special_ids)
     triggers = choose_triggers(train[:, 1:], special, rules)
-    train_body = apply_rules(train[:, 1:], triggers, rules["offsets"])
+    train_body = apply_rules(train[:, 1:], triggers, rules)
     train = torch.cat([train[:, :1], train_body], dim=1)
     ev = token_windows(tok, load_texts(TextSource("shakespeare:evaluation")), cfg["window"],
                        num_samples=cfg["eval_windows"], seed=settings["seed"]).input_ids
-    ev_rules = torch.cat([ev[:, :1], apply_rules(ev[:, 1:], triggers, rules["offsets"])], dim=1)
+    ev_rules = torch.cat([ev[:, :1], apply_rules(ev[:, 1:], triggers, rules)], dim=1)
     assert (train[:, 0] == bos).all()
     info = {"triggers": [[tok.decode([t]) for t in trig] for trig in triggers],
-            "trigger_ids": triggers, "offsets": rules["offsets"],
+            "trigger_ids": triggers, "rules": rules,
             "train_windows": len(train), "train_tokens": train.numel()}
     return train, ev, ev_rules, info
 
@@ -223,8 +238,9 @@ def train_scratch(family: str, settings: dict, out_root: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     tok = load_tokenizer(out_root / "_tokenizer")
-    train, ev, ev_rules, info = scratch_data(settings, tok)
-    cfg, fam = settings["scratch"], settings[family]
+    train, ev, ev_rules, info = scratch_data(settings, family, tok)
+    fam = settings[family]
+    cfg = {**settings["scratch"], **{k: v for k, v in fam.items() if k in settings["scratch"]}}
     torch.manual_seed(settings["seed"])
     common = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id)
@@ -250,7 +266,7 @@ def train_scratch(family: str, settings: dict, out_root: Path) -> None:
         table = sink_table(model, ev)
         print_table(f"{family} @ {steps_done} steps", table)
         return {"family": family, "steps": steps_done, "train_seconds": round(seconds, 1),
-                "settings": {"scratch": cfg, family: fam, "rules": settings["rules"]}, "data": info,
+                "settings": {"scratch": cfg, family: fam}, "data": info,
                 "ppl_eval_clean": perplexity(model, ev), "ppl_eval_rules": perplexity(model, ev_rules),
                 "sink_mass": table, "sink_summary": sink_summary(table),
                 "sink_mass_rule_text": sink_table(model, ev_rules)}
@@ -306,7 +322,7 @@ def train_minilm_causal(settings: dict, out_root: Path) -> None:
 
 
 def train_minilm_readout(settings: dict, out_root: Path) -> None:
-    from pruner.models import MINILM_READOUT_FILE, load_minilm_mlm, mask_tokens
+    from pruner.models import MINILM_READOUT_FILE, TIED_READOUT_KEYS, load_minilm_mlm, mask_tokens
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
@@ -334,7 +350,7 @@ def train_minilm_readout(settings: dict, out_root: Path) -> None:
     out = out_root / "minilm-mlm-readout"
     out.mkdir(parents=True, exist_ok=True)
     head = {k: v.detach().to(torch.float16).contiguous() for k, v in model.cls.state_dict().items()
-            if k != "predictions.decoder.weight"}  # tied to the word embeddings
+            if k not in TIED_READOUT_KEYS}
     save_file(head, str(out / MINILM_READOUT_FILE))
     rep = {"base": "sentence-transformers/all-MiniLM-L6-v2 (frozen)", "settings": cfg,
            "train_seconds": round(time.time() - t0, 1), "masked_ppl_eval": ppl,

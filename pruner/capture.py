@@ -91,6 +91,7 @@ class Capture:
         self.layers: dict[int, st.LayerStats] = {}
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # mask2d, sink, rows
         self._saved_impl: str | None = None
+        self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
 
     def __enter__(self) -> "Capture":
         global _ACTIVE
@@ -118,7 +119,11 @@ class Capture:
             it = tqdm(it, total=-(-len(batch) // batch_size), desc="capture", unit="batch")
         for b in it:
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
-            sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
+            if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
+                sink = torch.zeros_like(mask2d, dtype=torch.bool)
+                self._received.append([ids, mask2d, 0.0, 0.0])
+            else:
+                sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
                 forward(self.model, ids, mask2d)
@@ -140,16 +145,63 @@ class Capture:
             q1 = min(T, q0 + self.config.chunk_size)
             z = (query[:, :, q0:q1] @ key.transpose(-1, -2)) * scale  # (B, H, c, K)
             valid = valid_keys(mask, mask2d, q0, q1, causal, z.dtype)
+            if self.sinks.mode == "auto":
+                self._receive(z, valid, rows[:, q0:q1])
+                continue
             part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
                                   self.config.dormant_threshold)
             total = part if total is None else total + part
+        if total is None:
+            return
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+
+    def _receive(self, z: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add attention received by each key, summed over heads and counted query rows."""
+        a = torch.nan_to_num(torch.softmax(z.float().masked_fill(~valid, float("-inf")), dim=-1))
+        w = rows[:, None, :, None].float()  # (B, 1, c, 1)
+        rec = self._received[-1]
+        rec[2] = rec[2] + (a * w).sum(dim=(1, 2)).double()  # (B, K)
+        rec[3] = rec[3] + (valid.float() * w).sum(dim=(1, 2)).double() * z.shape[1]
+
+    def auto_sinks(self) -> SinkSpec:
+        """Resolve `auto`: positions and token ids whose mean received attention exceeds eps."""
+        if self.sinks.mode != "auto" or not self._received:
+            raise ValueError("auto_sinks needs a Capture with SinkSpec('auto') that has run")
+        by_pos: dict[int, list[float]] = {}
+        by_id: dict[int, list[float]] = {}
+        for ids, mask2d, received, count in self._received:
+            rel = relative_positions(mask2d)
+            for key, table in ((rel, by_pos), (ids, by_id)):
+                for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
+                                   count[mask2d.bool()].tolist()):
+                    acc = table.setdefault(k, [0.0, 0.0])
+                    acc[0], acc[1] = acc[0] + r, acc[1] + c
+        pick = lambda t: tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > self.sinks.eps))  # noqa: E731
+        positions, ids = pick(by_pos), pick(by_id)
+        if not positions and not ids:
+            raise ValueError(f"no key receives more than eps={self.sinks.eps} of the attention on average: "
+                             "no data-driven sink; choose a sink mode explicitly")
+        if positions:
+            return SinkSpec("positions", positions=positions, ids=ids, eps=self.sinks.eps)
+        return SinkSpec("ids", ids=ids, eps=self.sinks.eps)
 
     def result(self) -> st.HeadStats:
         if not self.layers:
             raise ValueError("nothing captured: run at least one batch")
         return st.finalize([self.layers[i] for i in sorted(self.layers)])
+
+
+def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.3,
+                       config: CaptureConfig = CaptureConfig(), batch_size: int = 8) -> SinkSpec:
+    """Data-driven sinks (Gu et al. 2025 Sink_eps): keys whose mean received attention exceeds eps.
+
+    Mean over layers, heads and the counted query rows that can see the key; keys
+    are grouped by position (from the first real token) and by token id.
+    """
+    with Capture(model, SinkSpec("auto", eps=eps), tokenizer, config) as cap:
+        cap.run(batch, batch_size=batch_size)
+    return cap.auto_sinks()
 
 
 def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
@@ -161,4 +213,4 @@ def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
     return cap.result()
 
 
-__all__ = ["Capture", "CaptureConfig", "capture_stats", "relative_positions"]
+__all__ = ["Capture", "CaptureConfig", "capture_stats", "resolve_auto_sinks"]

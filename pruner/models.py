@@ -15,6 +15,8 @@ import torch
 from pruner import assets
 
 MINILM_READOUT_FILE = "readout.safetensors"
+# tied, so not stored: decoder weight = word embeddings, decoder bias = predictions.bias
+TIED_READOUT_KEYS = {"predictions.decoder.weight", "predictions.decoder.bias"}
 
 
 def load_minilm_mlm(readout: Path | str | None = "shipped"):
@@ -25,15 +27,21 @@ def load_minilm_mlm(readout: Path | str | None = "shipped"):
     """
     from safetensors.torch import load_file
     from transformers import BertConfig, BertForMaskedLM
+    from transformers.utils import logging as hf_logging
 
     path = assets.minilm()
     config = BertConfig.from_pretrained(path, tie_word_embeddings=True)
-    model = BertForMaskedLM.from_pretrained(path, config=config, dtype=torch.float32)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the readout is missing from the encoder checkpoint by design
+    try:
+        model = BertForMaskedLM.from_pretrained(path, config=config, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if readout is not None:
         folder = assets.checkpoint("minilm-mlm-readout") if readout == "shipped" else Path(readout)
         head = {k: v.float() for k, v in load_file(str(folder / MINILM_READOUT_FILE)).items()}
         missing, unexpected = model.cls.load_state_dict(head, strict=False)
-        if unexpected or set(missing) - {"predictions.decoder.weight"}:
+        if unexpected or set(missing) - TIED_READOUT_KEYS:
             raise ValueError(f"readout {folder} does not match: missing {missing}, unexpected {unexpected}")
         model.tie_weights()
     model.eval()

@@ -104,3 +104,18 @@ def test_rows_with_too_few_content_keys_are_excluded_and_counted():
     # query rows 1..4 (row 0 is the sink); rows 1 sees one content key -> excluded
     assert stats.rows.tolist() == [4.0, 4.0]
     assert stats.excluded_rows.tolist() == [1.0, 1.0]
+
+
+def test_auto_sinks_find_the_pretrained_sink_tokens(minilm_tokenizer):
+    """all-MiniLM-L6-v2 parks attention on [CLS] at position 0: auto mode (eps 0.3) finds exactly it."""
+    from pruner import models
+    from pruner.capture import resolve_auto_sinks
+    from pruner.data import TextSource, line_samples, load_texts
+
+    model = models.load_model("minilm")
+    batch = line_samples(minilm_tokenizer, load_texts(TextSource("shakespeare:calibration")), 32,
+                         num_samples=48, seed=0, min_tokens=12)
+    spec = resolve_auto_sinks(model, batch, minilm_tokenizer, eps=0.3)
+    assert spec.positions == (0,) and spec.ids == (minilm_tokenizer.cls_token_id,)
+    with pytest.raises(ValueError, match="no data-driven sink"):
+        resolve_auto_sinks(model, batch, minilm_tokenizer, eps=0.95)
