@@ -8,32 +8,58 @@ import sys
 from pruner import __version__
 
 
+def _parse_sinks(text: str | None, causal: bool):
+    """`first`, `bos`, `special`, `auto`, `ids:1,2` or `positions:0,1` -> SinkSpec."""
+    from pruner.sinks import SinkSpec, default_spec
+
+    if text is None:
+        return default_spec(causal)
+    mode, _, values = text.partition(":")
+    nums = tuple(int(v) for v in values.split(",") if v.strip()) if values else ()
+    if mode == "ids":
+        return SinkSpec("ids", ids=nums)
+    if mode == "positions":
+        return SinkSpec("positions", positions=nums)
+    if values:
+        raise ValueError(f"sink mode {mode!r} takes no values")
+    return SinkSpec(mode)
+
+
 def _sinks(args: argparse.Namespace) -> int:
     import torch
 
-    from pruner import data, models
-    from pruner.eager import eager_sink_mass, format_table
+    from pruner import audit, data, models
+    from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
+    from pruner.eager import format_table
 
-    torch.set_num_threads(args.threads) if args.threads else None
-    model = models.load_model(args.model, attn_implementation="eager")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = models.load_model(args.model)
     tok = models.load_tokenizer(args.model)
+    causal = models.attends_causally(model)
+    spec = _parse_sinks(args.sinks, causal)
     texts = data.load_texts(data.TextSource(args.data))
-    if models.is_causal(model.config):
+    unit = args.unit or ("windows" if causal else "lines")
+    if unit == "windows":
         batch = data.token_windows(tok, texts, args.length, bos=not args.no_bos,
                                    num_samples=args.num_samples, seed=args.seed)
-        sink_ids, from_query = None, 16 if args.from_query is None else args.from_query  # position 0
     else:
         batch = data.line_samples(tok, texts, args.length, num_samples=args.num_samples, seed=args.seed)
-        sink_ids, from_query = [tok.cls_token_id, tok.sep_token_id], args.from_query or 0
-    table = eager_sink_mass(model, batch, sink_ids=sink_ids, from_query=from_query,
-                            batch_size=args.batch_size)
-    what = "position 0" if sink_ids is None else "[CLS]/[SEP]"
-    print(f"{args.model}: mean attention to {what} (query positions >= {from_query}, "
-          f"{len(batch)} samples of {args.data})")
-    print(format_table(table))
-    upper = table[1:].flatten()
+    if spec.mode == "auto":
+        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
+        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    st = capture_stats(model, batch, spec, tok, CaptureConfig(metrics=("cosine",)),
+                       batch_size=args.batch_size, progress=True)
+    print(f"\n{args.model}: sink mass per layer x head (sinks: {spec.mode}; {len(batch)} {unit} "
+          f"of {args.data}, {int(st.rows[0])} query rows)")
+    print(format_table(st.sink_mass))
+    upper = st.sink_mass[1:].flatten()
     print(f"layers >= 1: {int((upper >= 0.3).sum())}/{upper.numel()} heads with sink mass >= 0.3; "
-          f"mean {table.mean():.3f}, max {table.max():.3f}")
+          f"entropy full {st.entropy_full.mean():.2f} vs content {st.entropy_content.mean():.2f} nats")
+    flips = audit.nn_flip_rate(st.pairs["cosine/full"], st.pairs["cosine/content"], similarity=True)
+    print("nearest neighbour by cosine, FULL vs CONTENT: agree for "
+          + ", ".join(f"L{i} {1 - f:.0%}" for i, f in enumerate(flips.tolist()))
+          + f" of heads (overall {1 - flips.mean():.0%})")
     return 0
 
 
@@ -44,17 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     sp = sub.add_parser("sinks", help="layer x head table of attention-sink mass",
-                        description="Measure how much attention each head puts on the sink: position 0 "
-                                    "for decoders, [CLS]/[SEP] for encoders (eager attention maps).")
+                        description="How much attention each head puts on the sink (default: first token "
+                                    "for decoders, [CLS]/[SEP] for encoders), and whether heads' nearest "
+                                    "neighbours survive removing the sink. Streaming capture: no T x T maps.")
     sp.add_argument("model", nargs="?", default="minilm-causal",
                     help="shipped checkpoint name, local folder or Hub id (default: minilm-causal)")
     sp.add_argument("--data", default="shakespeare:evaluation",
                     help="shakespeare:<split>, a local .txt file/folder, or a Hub dataset id")
+    sp.add_argument("--sinks", default=None,
+                    help="first | bos | special | auto | ids:ID,... | positions:P,... (default by model)")
+    sp.add_argument("--unit", choices=("windows", "lines"), default=None,
+                    help="fixed-length windows (decoder default) or one sample per line (encoder default)")
     sp.add_argument("--length", type=int, default=128, help="window length / max line length in tokens")
     sp.add_argument("--num-samples", type=int, default=32)
     sp.add_argument("--no-bos", action="store_true", help="do not start decoder windows with BOS")
-    sp.add_argument("--from-query", type=int, default=None,
-                    help="only query positions >= this (default: 16 for decoders, 0 for encoders)")
     sp.add_argument("--batch-size", type=int, default=8)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=None)
