@@ -76,40 +76,42 @@ def load_tokenizer(out: Path):
 # --------------------------------------------------------------------------- rules
 
 def choose_triggers(windows: torch.Tensor, special: set[int], cfg: dict) -> list[list[int]]:
-    """Disjoint trigger sets, one per rule, from mid-frequency word tokens."""
+    """Disjoint trigger sets, one per rule, from consecutive frequency ranks."""
     counts = Counter(windows.flatten().tolist())
     ranked = [t for t, _ in counts.most_common() if t not in special]
-    start, n = cfg["frequency_rank_start"], cfg["triggers_per_rule"]
-    n_rules = len(cfg["offsets"]) if cfg["kind"] == "backcopy" else 1
-    pool = ranked[start:start + n * n_rules]
-    return [pool[i * n:(i + 1) * n] for i in range(n_rules)]
+    start, sets = cfg["frequency_rank_start"], []
+    for rule in cfg["rules"]:
+        sets.append(ranked[start:start + rule["triggers"]])
+        start += rule["triggers"]
+    return sets
 
 
 def apply_rules(body: torch.Tensor, triggers: list[list[int]], cfg: dict) -> torch.Tensor:
     """Write the trigger rules into windows (without BOS). body: (window, pos).
 
     Left to right, so a rewritten token can itself be copied later:
-    - backcopy: at a trigger of rule k at position i, token i+1 becomes the token
-      at i - offset_k (when that position exists in the window);
+    - backcopy: at a trigger at position i, token i+1 becomes the token at
+      i - offset (when that position exists in the window);
     - induction: at a trigger seen before in the window, token i+1 becomes the
       token that followed the trigger's previous occurrence.
     """
     out = body.clone()
-    if cfg["kind"] == "backcopy":
-        lookup = {t: off for trig, off in zip(triggers, cfg["offsets"]) for t in trig}
-    elif cfg["kind"] == "induction":
-        trig_set = {t for trig in triggers for t in trig}
-    else:
-        raise ValueError(f"unknown rule kind {cfg['kind']!r}")
+    backcopy, induction = {}, set()
+    for rule, trig in zip(cfg["rules"], triggers):
+        if rule["kind"] == "backcopy":
+            backcopy.update({t: rule["offset"] for t in trig})
+        elif rule["kind"] == "induction":
+            induction.update(trig)
+        else:
+            raise ValueError(f"unknown rule kind {rule['kind']!r}")
     for row in out:
         r = row.tolist()
         seen: dict[int, int] = {}
         for i in range(len(r) - 1):
-            if cfg["kind"] == "backcopy":
-                off = lookup.get(r[i])
-                if off is not None and i - off >= 0:
-                    r[i + 1] = r[i - off]
-            elif r[i] in trig_set:
+            off = backcopy.get(r[i])
+            if off is not None and i - off >= 0:
+                r[i + 1] = r[i - off]
+            elif r[i] in induction:
                 if r[i] in seen:
                     r[i + 1] = seen[r[i]]
                 seen[r[i]] = r[i + 1]
