@@ -35,6 +35,7 @@ class CaptureConfig:
     chunk_size: int = 128
     metrics: tuple[str, ...] = ("cosine", "js")
     dormant_threshold: float = 0.9
+    outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
 
     def __post_init__(self):
         if self.chunk_size < 1:
@@ -51,7 +52,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                  dropout=dropout, **kwargs)
     if _ACTIVE is not None:
-        _ACTIVE._observe(module, query, key, attention_mask, scaling)
+        _ACTIVE._observe(module, query, key, value, attention_mask, scaling)
     return out
 
 
@@ -130,7 +131,7 @@ class Capture:
             finally:
                 self._batch = None
 
-    def _observe(self, module, query, key, mask, scaling) -> None:
+    def _observe(self, module, query, key, value, mask, scaling) -> None:
         if self._batch is None:
             return
         mask2d, sink, rows = self._batch
@@ -138,6 +139,7 @@ class Capture:
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
         key = key.repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
+        value = value.repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
         total = None
@@ -149,7 +151,7 @@ class Capture:
                 self._receive(z, valid, rows[:, q0:q1])
                 continue
             part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
-                                  self.config.dormant_threshold)
+                                  self.config.dormant_threshold, v=value, out_rows=mask2d[:, q0:q1])
             total = part if total is None else total + part
         if total is None:
             return

@@ -42,12 +42,57 @@ class LayerStats:
     rest_h_content: Tensor  # sum (1 - s) H(c)
     dormant: Tensor         # rows with s >= dormant threshold
     pairs: dict[str, Tensor] = field(default_factory=dict)  # "metric/convention" -> (head, head) sums
+    outputs: "OutputMoments | None" = None
 
     def __add__(self, other: "LayerStats") -> "LayerStats":
         if self.pairs.keys() != other.pairs.keys():
             raise ValueError("cannot merge statistics with different pairwise metrics")
-        kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "pairs"}
-        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()})
+        if (self.outputs is None) != (other.outputs is None):
+            raise ValueError("cannot merge statistics with and without output moments")
+        skip = ("pairs", "outputs")
+        kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name not in skip}
+        outputs = None if self.outputs is None else self.outputs + other.outputs
+        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()}, outputs=outputs)
+
+
+@dataclass
+class OutputMoments:
+    """First and second moments of each head's output, split by channel (sums, float64).
+
+    Per query row a head writes o = u + w (before the output projection), with
+    u = sum_{j in S} a_j v_j the sink channel and w = sum_{j in C} a_j v_j the
+    content channel. Keeping sums of o, u, w and of their outer products lets any
+    quadratic form through W_O (output norms, fluctuation around the mean, the
+    part of it each channel carries) be computed later, exactly.
+    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head).
+    """
+
+    tokens: Tensor
+    o: Tensor
+    u: Tensor
+    w: Tensor
+    oo: Tensor
+    uu: Tensor
+    ww: Tensor
+
+    def __add__(self, other: "OutputMoments") -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMoments:
+    """Moments of head outputs for one chunk.
+
+    a, sink: (B, H, c, K); v: (B, H, K, d_head); rows: (B, c) rows to count.
+    """
+    v = v.to(a.dtype)
+    a_sink = a * sink
+    u = a_sink @ v  # (B, H, c, d_head)
+    w = (a - a_sink) @ v
+    o = u + w
+    r = rows.to(a.dtype)[:, None, :, None]  # (B, 1, c, 1)
+    first = lambda x: (x * r).sum(dim=(0, 2))  # noqa: E731  (H, d_head)
+    second = lambda x: torch.einsum("bhqd,bhqe->hde", x * r, x)  # noqa: E731  (H, d_head, d_head)
+    return OutputMoments(r.sum(), first(o), first(u), first(w), second(o), second(u), second(w))
 
 
 def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
@@ -122,12 +167,15 @@ def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tu
 
 
 def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: tuple[str, ...] = (),
-                dormant_threshold: float = 0.9) -> LayerStats:
+                dormant_threshold: float = 0.9, v: Tensor | None = None,
+                out_rows: Tensor | None = None) -> LayerStats:
     """Statistics of one chunk of query rows of one layer, as sums.
 
     z: (B, H, c, K) pre-softmax scores (any value at invalid keys);
     sink: (B, K) sink keys; valid: (B, 1|H, c, K) keys each query may see;
     rows: (B, c) query rows that count (non-pad, not a sink).
+    With values v: (B, H, K, d_head), also the output moments over `out_rows`
+    (B, c): every non-pad query, sinks included, since all of them are written.
     """
     z = z.to(torch.float64)
     valid = valid.expand(z.shape)
@@ -149,7 +197,8 @@ def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: t
         sink_mass=per_head(e.s, w), entropy_full=per_head(e.full, w),
         entropy_content=per_head(e.h_content, wc),
         g=per_head(e.g, w), rest=per_head(e.rest, w), rest_h_content=per_head(e.content, w),
-        dormant=per_head((e.s >= dormant_threshold).to(torch.float64), w), pairs=pairs)
+        dormant=per_head((e.s >= dormant_threshold).to(torch.float64), w), pairs=pairs,
+        outputs=None if v is None else output_moments(a, v, sink, out_rows))
 
 
 @dataclass(frozen=True)
@@ -167,6 +216,7 @@ class HeadStats:
     content_rows: Tensor      # (layer,)
     excluded_rows: Tensor     # (layer,) rows with < 2 content keys
     pairs: dict[str, Tensor]
+    outputs: list[OutputMoments] | None = None  # per layer, sums (see OutputMoments)
 
 
 def finalize(layers: list[LayerStats]) -> HeadStats:
@@ -186,4 +236,5 @@ def finalize(layers: list[LayerStats]) -> HeadStats:
         entropy_content=per_head("entropy_content", safe_c), dormancy=per_head("dormant", rows),
         g=per_head("g", rows), rest=per_head("rest", rows),
         h_content_weighted=st("rest_h_content") / st("rest").clamp_min(1e-300),
-        rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs)
+        rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs,
+        outputs=None if layers[0].outputs is None else [s.outputs for s in layers])

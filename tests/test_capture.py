@@ -119,3 +119,28 @@ def test_auto_sinks_find_the_pretrained_sink_tokens(minilm_tokenizer):
     assert spec.positions == (0,) and spec.ids == (minilm_tokenizer.cls_token_id,)
     with pytest.raises(ValueError, match="no data-driven sink"):
         resolve_auto_sinks(model, batch, minilm_tokenizer, eps=0.95)
+
+
+def test_output_moments_match_the_attention_output():
+    """o = u + w is exactly what the head writes into the output projection (its input slice)."""
+    from pruner import arch
+    from pruner.models import forward
+
+    model = tiny_model("llama")
+    samples = ragged_batch(seed=5, n=4)
+    batch = pad(samples, 0)
+    inputs = []
+    o_proj = arch.get(arch.blocks(model)[1], arch.adapter_for(model).o_proj)
+    handle = o_proj.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
+    stats = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(chunk_size=3, outputs=True))
+    forward(model, batch.input_ids, batch.attention_mask)
+    handle.remove()
+    x = inputs[-1].double()  # (B, T, H * d_head)
+    keep = batch.attention_mask.bool()
+    mom = stats.outputs[1]
+    g = arch.geometry(model)
+    assert mom.tokens.item() == keep.sum().item()
+    torch.testing.assert_close(mom.o.flatten(), x[keep].sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mom.u + mom.w, mom.o, rtol=1e-12, atol=1e-12)
+    xh = x[keep].view(-1, g.n_heads, g.head_dim)
+    torch.testing.assert_close(mom.oo, torch.einsum("nhd,nhe->hde", xh, xh), rtol=1e-5, atol=1e-5)

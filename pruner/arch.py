@@ -1,0 +1,121 @@
+"""Architecture adapters: where each family keeps its attention weights. Data, not code.
+
+Paths are relative to `model.base_model` (layers) and to one block (the rest),
+so `GPT2Model` and `GPT2LMHeadModel`, `BertModel` and `BertLMHeadModel` share an
+adapter. Head geometry comes from the config; weights are sliced by head using
+`qkv_layout`:
+
+- `separate`  -- q, k, v are three projections (Llama, BERT);
+- `split`     -- one fused projection laid out [q | k | v] (GPT-2 `c_attn`);
+- `per_head`  -- one fused projection laid out per head [q_h, k_h, v_h] (GPT-NeoX).
+
+`conv1d` marks GPT-2's Conv1D, whose weight is stored (in, out).
+`bias_flag` names the config switch that gives the attention projections a
+bias (Llama's `attention_bias`), used to fold mean compensation into a model
+whose output projection has none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+
+import torch
+
+
+@dataclass(frozen=True)
+class Adapter:
+    layers: str
+    attn: str                      # module that receives (query, key, value): has `layer_idx`
+    o_proj: str
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    qkv: str | None = None
+    qkv_layout: str = "separate"
+    conv1d: bool = False
+    bias_flag: str | None = None
+    n_heads_attrs: tuple[str, ...] = ()  # module attributes holding the head count, kept in sync
+
+
+_LLAMA = Adapter(layers="layers", attn="self_attn", o_proj="self_attn.o_proj", q="self_attn.q_proj",
+                 k="self_attn.k_proj", v="self_attn.v_proj", bias_flag="attention_bias")
+_BERT = Adapter(layers="encoder.layer", attn="attention.self", o_proj="attention.output.dense",
+                q="attention.self.query", k="attention.self.key", v="attention.self.value",
+                n_heads_attrs=("attention.self.num_attention_heads",))
+
+ADAPTERS: dict[str, Adapter] = {
+    "gpt2": Adapter(layers="h", attn="attn", o_proj="attn.c_proj", qkv="attn.c_attn", qkv_layout="split",
+                    conv1d=True, n_heads_attrs=("attn.num_heads",)),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "gpt_neox": Adapter(layers="layers", attn="attention", o_proj="attention.dense",
+                        qkv="attention.query_key_value", qkv_layout="per_head"),
+    "bert": _BERT,
+    "roberta": _BERT,
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def adapter_for(model) -> Adapter:
+    """The adapter of a model, or a clear error naming the supported families."""
+    kind = model.config.model_type
+    if kind not in ADAPTERS:
+        raise UnsupportedArchitecture(f"architecture {kind!r} is not supported; supported: "
+                                      f"{', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[kind]
+
+
+def get(module, path: str):
+    return reduce(getattr, path.split("."), module)
+
+
+def set_attr(module, path: str, value) -> None:
+    *parent, name = path.split(".")
+    setattr(reduce(getattr, parent, module), name, value)
+
+
+def blocks(model) -> list:
+    """The transformer blocks, in order."""
+    return list(get(model.base_model, adapter_for(model).layers))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Head counts of the unpruned architecture."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 without GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+
+def geometry(model) -> Geometry:
+    """Head geometry of the *original* model (remembered, so surgery never renumbers heads)."""
+    if getattr(model, "_pruner_geometry", None) is None:
+        model._pruner_geometry = _read_geometry(model.config)
+    return model._pruner_geometry
+
+
+def _read_geometry(cfg) -> Geometry:
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    return Geometry(cfg.num_hidden_layers, n_heads, n_kv, head_dim)
+
+
+def o_weight_cols(model, layer: int) -> torch.Tensor:
+    """The output projection as (d_model, heads * d_head): columns are head channels."""
+    ad = adapter_for(model)
+    w = get(blocks(model)[layer], ad.o_proj).weight
+    return w.t() if ad.conv1d else w
