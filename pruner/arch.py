@@ -119,3 +119,17 @@ def o_weight_cols(model, layer: int) -> torch.Tensor:
     ad = adapter_for(model)
     w = get(blocks(model)[layer], ad.o_proj).weight
     return w.t() if ad.conv1d else w
+
+
+def qkv_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v projection weights as (rows, d_model): q (heads*d_head), k and v (kv_heads*d_head)."""
+    ad, g = adapter_for(model), geometry(model)
+    block = blocks(model)[layer]
+    if ad.qkv_layout == "separate":
+        return tuple(get(block, p).weight for p in (ad.q, ad.k, ad.v))
+    w = get(block, ad.qkv).weight
+    w = w.t() if ad.conv1d else w  # (3 * heads * d_head, d_model)
+    if ad.qkv_layout == "split":
+        return tuple(w.chunk(3, dim=0))
+    per_head = w.view(-1, 3, g.head_dim, w.shape[-1])  # (heads, [q, k, v], d_head, d_model)
+    return tuple(per_head[:, i].reshape(-1, w.shape[-1]) for i in range(3))

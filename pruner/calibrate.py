@@ -1,0 +1,97 @@
+"""Calibration plumbing: one capture pass (+ optional gradient pass) -> `ScoringInputs`.
+
+This is the only place scoring touches the model: everything a scorer reads is
+computed here once, so every attention-based scorer reuses one capture pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner import arch
+from pruner.capture import CaptureConfig, capture_stats
+from pruner.data import TokenBatch
+from pruner.models import forward
+from pruner.scoring import ScoringInputs
+from pruner.sinks import SinkSpec
+
+
+def head_grams(model) -> torch.Tensor:
+    """W_O,h^T W_O,h per head: (layer, head, d_head, d_head), float64."""
+    g = arch.geometry(model)
+    out = []
+    for layer in range(g.n_layers):
+        w = arch.o_weight_cols(model, layer).detach().double().view(-1, g.n_heads, g.head_dim)  # (d, H, hd)
+        out.append(torch.einsum("dhi,dhj->hij", w, w))
+    return torch.stack(out)
+
+
+def weight_norms(model) -> torch.Tensor:
+    """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)"""
+    g = arch.geometry(model)
+    rows = []
+    for layer in range(g.n_layers):
+        q, k, v = (w.detach().double() for w in arch.qkv_weights(model, layer))
+        o = arch.o_weight_cols(model, layer).detach().double()
+        per = lambda w, n: w.reshape(n, -1).pow(2).sum(-1)  # noqa: E731
+        q_sq = per(q, g.n_heads)
+        kv_sq = (per(k, g.n_kv_heads) + per(v, g.n_kv_heads)).repeat_interleave(g.group_size) / g.group_size
+        o_sq = per(o.t(), g.n_heads)
+        rows.append((q_sq + kv_sq + o_sq).sqrt())
+    return torch.stack(rows)
+
+
+def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL over real tokens (the first token of a window is never a target).
+
+    Computed here in the model's own dtype (transformers' loss upcasts to float32,
+    which would hide the gradient check's precision in float64).
+    """
+    logits = forward(model, input_ids, attention_mask).logits[:, :-1]  # (B, T-1, V)
+    target = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+
+
+def gradient_importance(model, batch: TokenBatch, progress: bool = False) -> torch.Tensor:
+    """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
+
+    One example (window) per backward pass, so the absolute value is taken per
+    example, and the mask gradient is zeroed every time (the old bertology script
+    accumulated signed gradients across a batch). A mask xi_h multiplies each
+    head's slice at the output projection's input; its gradient at xi = 1 is the
+    importance. Michel et al. normalise each layer's scores by their l2 norm.
+    """
+    ad, g = arch.adapter_for(model), arch.geometry(model)
+    xi = torch.ones(g.n_layers, g.n_heads, requires_grad=True)
+    hooks = [arch.get(block, ad.o_proj).register_forward_pre_hook(
+        lambda m, args, layer=layer: (args[0] * xi[layer].repeat_interleave(g.head_dim).to(args[0].dtype),)
+        + tuple(args[1:])) for layer, block in enumerate(arch.blocks(model))]
+    total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    try:
+        it = range(len(batch))
+        for i in (tqdm(it, desc="gradient", unit="window") if progress else it):
+            xi.grad = None
+            loss = lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
+            loss.backward()
+            total += xi.grad.detach().abs().double()
+        model.zero_grad(set_to_none=True)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
+              config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
+              batch_size: int = 8, seed: int = 0, progress: bool = False) -> ScoringInputs:
+    """Everything the scorers need, from one capture pass (and one gradient pass if asked)."""
+    if not config.outputs:
+        raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
+    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
+    grad = gradient_importance(model, batch, progress=progress) if gradient else None
+    return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
+                         gradient=grad, seed=seed)

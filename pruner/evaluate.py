@@ -1,0 +1,125 @@
+"""Perplexity, computed directly (no `evaluate.load`: it fetches scripts from the Hub).
+
+Decoders: token-level perplexity with a strided sliding window, the Hugging Face
+perplexity-guide convention: each window sees up to `length` tokens, only the
+tokens not already scored by the previous window are labelled (the rest are
+context, label -100), and NLL is token-weighted over all windows. With `bos`,
+every window starts with BOS (never a target), so the model always has the
+sink it was trained with.
+
+Comparisons are paired: the unpruned and pruned model are scored on the same
+windows, and the confidence interval of the perplexity change comes from a
+bootstrap over windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.data import bos_token_id
+from pruner.models import forward
+
+
+@dataclass(frozen=True)
+class EvalWindows:
+    """input_ids, attention_mask, labels: (window, q_pos); labels -100 off-target."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None = None, *,
+                    bos: bool = True, max_windows: int | None = None) -> EvalWindows:
+    """Strided windows over the concatenated texts (documents joined with EOS)."""
+    from pruner.data import DataError
+
+    stride = stride or length - (1 if bos else 0)
+    body = length - (1 if bos else 0)
+    if not 0 < stride <= body:
+        raise DataError(f"stride must be in [1, {body}], got {stride}")
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer(t, add_special_tokens=False)["input_ids"] + ([sep] if sep is not None else [])
+    if len(ids) < 2:
+        raise DataError("evaluation text has fewer than 2 tokens")
+    rows, labels = [], []
+    prev_end = 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + body, len(ids))
+        trg = end - prev_end
+        window = ids[begin:end]
+        lab = [-100] * (len(window) - trg) + window[len(window) - trg:]
+        if bos:
+            window, lab = [bos_token_id(tokenizer)] + window, [-100] + lab
+        elif begin == 0:
+            lab[0] = -100  # the very first token has no context
+        rows.append(window)
+        labels.append(lab)
+        prev_end = end
+        if end == len(ids) or (max_windows and len(rows) == max_windows):
+            break
+    width = max(len(r) for r in rows)
+    pad = lambda r, v: r + [v] * (width - len(r))  # noqa: E731
+    ids_t = torch.tensor([pad(r, 0) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return EvalWindows(ids_t, mask, torch.tensor([pad(r, -100) for r in labels]))
+
+
+@torch.no_grad()
+def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False):
+    """Per-window summed NLL and target count: (window,) float64 and (window,) int."""
+    model.eval()
+    nll, count = [], []
+    it = range(0, len(windows), batch_size)
+    for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
+        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
+        lab = windows.labels[i:i + batch_size]
+        logits = forward(model, ids, mask).logits[:, :-1].float()  # predicts tokens 1..T-1
+        target = lab[:, 1:]
+        tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
+                                                reduction="none")  # (B, T-1)
+        on = target != -100
+        nll.append((tok * on).sum(-1).double())
+        count.append(on.sum(-1))
+    return torch.cat(nll), torch.cat(count)
+
+
+def perplexity(nll: torch.Tensor, count: torch.Tensor) -> float:
+    return math.exp(nll.sum().item() / count.sum().item())
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """Perplexity of base and pruned on the same windows, the change and its bootstrap CI."""
+
+    base: float
+    pruned: float
+    delta: float
+    ci_low: float
+    ci_high: float
+    windows: int
+    tokens: int
+
+
+def paired_delta(base: tuple[torch.Tensor, torch.Tensor], pruned: tuple[torch.Tensor, torch.Tensor],
+                 n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> PairedDelta:
+    """Change in perplexity with a percentile bootstrap over windows (paired resampling)."""
+    (nb, c), (np_, c2) = base, pruned
+    if not torch.equal(c, c2):
+        raise ValueError("paired comparison needs the same windows")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(c), (n_boot, len(c)), generator=g)
+    cs = c[idx].sum(-1).double()
+    boot = torch.exp(np_[idx].sum(-1) / cs) - torch.exp(nb[idx].sum(-1) / cs)
+    lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    pb, pp = perplexity(nb, c), perplexity(np_, c)
+    return PairedDelta(pb, pp, pp - pb, lo.item(), hi.item(), len(c), int(c.sum()))

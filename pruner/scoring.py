@@ -1,0 +1,154 @@
+"""Head scorers in one registry: importance per head, higher = keep. Pure tensor math.
+
+Every scorer reads a `ScoringInputs` (built once by `pruner.calibrate`) and the
+current `alive` mask, and returns importance (layer, head). Scorers whose score
+depends on which heads survive (redundancy) are `adaptive`: selection re-scores
+after every removal. Baselines live here beside the sink-aware scorer, so every
+comparison runs through one code path.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from pruner import composition as cp
+from pruner.stats import HeadStats
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ScoringInputs:
+    """Everything a scorer may read. Shapes: (layer, head) unless stated."""
+
+    stats: HeadStats            # captured statistics, with output moments
+    gram: Tensor                # (layer, head, d_head, d_head): W_O,h^T W_O,h
+    weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
+    gradient: Tensor | None = None  # Michel importance, when computed
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Scorer:
+    name: str
+    fn: Callable[[ScoringInputs, Tensor, str], Tensor]
+    adaptive: bool = False      # re-score among survivors after every removal
+    needs_gradient: bool = False
+    convention: str | None = None  # the convention a redundancy scorer compares heads under
+    doc: str = ""
+
+    def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
+        return self.fn(inputs, alive, convention or self.convention)
+
+
+# --------------------------------------------------------------------------- output-side quantities
+
+def _moments(inputs: ScoringInputs):
+    """Per layer mean and covariance of o, u (sink channel) and w (content channel)."""
+    out = []
+    for m in inputs.stats.outputs:
+        n = m.tokens
+        mean = {k: getattr(m, k) / n for k in ("o", "u", "w")}  # (H, d)
+        cov = {k: getattr(m, k + k) / n - torch.einsum("hd,he->hde", mean[k], mean[k]) for k in ("o", "u", "w")}
+        out.append((mean, cov))
+    return out
+
+
+def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
+    """E||W_O,h (x - E x)||^2 for x = o, u, w: the variation each head writes. Each (layer, head).
+
+    With mean compensation, pruning head h perturbs the residual stream by exactly
+    W_O,h (o_h - E o_h): `o` is that perturbation's energy, `u` the part of it in
+    the sink channel, `w` the part in the content channel (o = u + w).
+    """
+    res = {k: [] for k in ("o", "u", "w")}
+    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+        for k in res:
+            res[k].append(torch.einsum("hde,hed->h", g, cov[k]))
+    return {k: torch.stack(v).clamp_min(0) for k, v in res.items()}
+
+
+def _flap(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """FLAP: per channel variance around the calibration mean x squared column norm, summed per head."""
+    rows = []
+    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+        var = torch.diagonal(cov["o"], dim1=-2, dim2=-1)  # (H, d)
+        col_sq = torch.diagonal(g, dim1=-2, dim2=-1)      # ||W_O[:, c]||^2
+        rows.append((var * col_sq).sum(-1))
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------- redundancy
+
+def _max_similarity(sim: Tensor, alive: Tensor) -> Tensor:
+    """Each head's highest similarity to another *alive* head of its layer. (layer, head)."""
+    H = sim.shape[-1]
+    other = alive[:, None, :] & ~torch.eye(H, dtype=torch.bool)[None]
+    return torch.where(other, sim, torch.full_like(sim, float("-inf"))).amax(-1).clamp_min(0)
+
+
+def _redundancy(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor:
+    """Greedy redundancy: a head nearly identical to a surviving head is least important."""
+    return -_max_similarity(inputs.stats.pairs[f"cosine/{convention}"], alive)
+
+
+def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor:
+    """Unique signal per head, from the exact two-channel split of its output.
+
+    Importance = E||W_O,h (o_h - E o_h)||^2 x (1 - rho_h^2), rho_h = the head's
+    highest CONTENT cosine with a surviving head of its layer. The first factor is
+    exactly what survives mean compensation: the sink channel's constant part is
+    folded into the bias, the content channel and the row-to-row variation of s
+    remain. The second discounts content the layer still carries elsewhere.
+    """
+    f = fluctuation_exact(inputs)["o"]
+    rho = _max_similarity(inputs.stats.pairs[f"cosine/{convention}"], alive)
+    return f * (1 - rho ** 2)
+
+
+def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Full-row entropy (bertology style): the lowest-entropy heads go first."""
+    return inputs.stats.entropy_full
+
+
+def _magnitude(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    return inputs.weight_norm
+
+
+def _gradient(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    if inputs.gradient is None:
+        raise ValueError("the gradient scorer needs gradient importance (calibrate with gradient=True)")
+    return inputs.gradient
+
+
+def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    g = torch.Generator().manual_seed(inputs.seed)
+    return torch.rand(alive.shape, generator=g, dtype=torch.float64)
+
+
+SCORERS: dict[str, Scorer] = {s.name: s for s in [
+    Scorer("sink-aware", _sink_aware, adaptive=True, convention=cp.CONTENT,
+           doc="unique signal: output fluctuation after mean compensation x (1 - content redundancy^2)"),
+    Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
+           doc="greedy redundancy on full rows (sink included): the naive baseline"),
+    Scorer("content-cosine", _redundancy, adaptive=True, convention=cp.CONTENT,
+           doc="greedy redundancy on content rows only (sink separated, then ignored)"),
+    Scorer("entropy", _entropy, doc="full-row attention entropy, lowest first"),
+    Scorer("gradient", _gradient, needs_gradient=True, doc="Michel et al. 2019: E|dL/d mask_h|"),
+    Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices"),
+    Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm"),
+    Scorer("random", _random, doc="seeded uniform"),
+]}
+
+
+def get_scorer(name: str) -> Scorer:
+    """A registered scorer; an unknown name lists the valid ones and suggests the nearest."""
+    if name in SCORERS:
+        return SCORERS[name]
+    near = difflib.get_close_matches(name, SCORERS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ValueError(f"unknown scorer {name!r}{hint}; valid: {', '.join(SCORERS)}")

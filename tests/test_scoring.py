@@ -1,0 +1,116 @@
+"""Scorers, selection and plans: registry errors, determinism, constraints, the gradient check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pruner import arch, scoring
+from pruner.calibrate import calibrate, gradient_importance, lm_loss
+from pruner.data import pad
+from pruner.selection import SelectionConfig, SelectionError, convention_sensitivity, select
+from pruner.sinks import SinkSpec
+from tiny import ragged_batch, tiny_model
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def llama_inputs():
+    model = tiny_model("llama")
+    batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
+    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True)
+
+
+def test_unknown_scorer_lists_valid_and_suggests():
+    with pytest.raises(ValueError, match=r"did you mean 'sink-aware'\?.*valid: sink-aware, cosine"):
+        scoring.get_scorer("sink-awre")
+
+
+@pytest.mark.parametrize("name", list(scoring.SCORERS))
+def test_every_scorer_selects_deterministically(llama_inputs, name):
+    model, _, inputs = llama_inputs
+    geom = arch.geometry(model)
+    cfg = SelectionConfig(target=0.5, min_heads_per_layer=1)
+    a = select(scoring.get_scorer(name), inputs, geom, cfg)
+    b = select(scoring.get_scorer(name), inputs, geom, cfg)
+    assert a.to_json() == b.to_json()
+    assert len(a.entries) == 4
+    # GQA "equal": every layer keeps the same number of query heads in each KV group
+    for layer, hs in a.heads.items():
+        left = [h for h in range(4) if h not in hs]
+        assert len({sum(1 for h in left if h // 2 == k) for k in range(2)} - {0}) == 1
+
+
+def test_whole_group_mode_and_layer_budget(llama_inputs):
+    model, _, inputs = llama_inputs
+    geom = arch.geometry(model)
+    plan = select(scoring.get_scorer("fluctuation"), inputs, geom, SelectionConfig(target=2, gqa="group"))
+    for layer, hs in plan.heads.items():
+        assert hs in ([0, 1], [2, 3])
+    per_layer = select(scoring.get_scorer("magnitude"), inputs, geom,
+                       SelectionConfig(target=0.5, budget="layer"))
+    assert {len(v) for v in per_layer.heads.values()} == {2}
+
+
+def test_selection_errors(llama_inputs):
+    model, _, inputs = llama_inputs
+    geom = arch.geometry(model)
+    s = scoring.get_scorer("random")
+    with pytest.raises(SelectionError, match="selects no head"):
+        select(s, inputs, geom, SelectionConfig(target=0.01))
+    with pytest.raises(SelectionError, match="exceeds"):
+        select(s, inputs, geom, SelectionConfig(target=7, min_heads_per_layer=1))
+
+
+def test_twin_aware_redundancy_never_removes_both_twins():
+    """Two identical heads: the redundancy scorer removes one and then keeps its twin."""
+    model = tiny_model("gpt2")
+    with torch.no_grad():  # make head 1 an exact copy of head 0 in layer 0 (q, k, v columns)
+        w = model.transformer.h[0].attn.c_attn.weight  # (d, 3 * d), Conv1D
+        for part in range(3):
+            base = part * 32
+            w[:, base + 8: base + 16] = w[:, base: base + 8]
+    batch = pad(ragged_batch(seed=8, n=4, min_len=8), 0)
+    inputs = calibrate(model, batch, SinkSpec("first"))
+    sim = inputs.stats.pairs["cosine/full"][0]
+    assert sim[0, 1] == pytest.approx(1.0, abs=1e-6)
+    plan = select(scoring.get_scorer("cosine"), inputs, arch.geometry(model), SelectionConfig(target=2))
+    first = plan.entries[0]
+    assert (first.layer, first.head) in ((0, 0), (0, 1)) and first.twin in (0, 1)
+    assert not {(0, 0), (0, 1)} <= {(e.layer, e.head) for e in plan.entries}
+
+
+def test_convention_sensitivity_reports_changes(llama_inputs):
+    model, _, inputs = llama_inputs
+    geom = arch.geometry(model)
+    cfg = SelectionConfig(target=0.5)
+    plan = select(scoring.get_scorer("cosine"), inputs, geom, cfg)
+    sens = convention_sensitivity(scoring.get_scorer("cosine"), inputs, geom, cfg, plan)
+    assert sens.convention == "full" and sens.other == "content"
+    assert sens.changed == len(sens.only_this) == len(sens.only_other)
+    assert convention_sensitivity(scoring.get_scorer("magnitude"), inputs, geom, cfg,
+                                  select(scoring.get_scorer("magnitude"), inputs, geom, cfg)) is None
+
+
+def test_gradient_matches_finite_differences():
+    """|dL/d mask_h| from autograd equals a central finite difference, per example."""
+    model = tiny_model("gpt2").double()
+    batch = pad(ragged_batch(seed=9, n=1, min_len=12, max_len=12), 0)
+    raw = torch.zeros(2, 4, dtype=torch.float64)
+    ad, g = arch.adapter_for(model), arch.geometry(model)
+    eps = 1e-5
+    for layer in range(2):
+        for h in range(4):
+            vals = []
+            for sign in (1, -1):
+                scale = torch.ones(g.n_heads * g.head_dim, dtype=torch.float64)
+                scale[h * g.head_dim:(h + 1) * g.head_dim] += sign * eps
+                o = arch.get(arch.blocks(model)[layer], ad.o_proj)
+                hook = o.register_forward_pre_hook(lambda m, args, s=scale: (args[0] * s,))
+                with torch.no_grad():
+                    vals.append(lm_loss(model, batch.input_ids, batch.attention_mask).item())
+                hook.remove()
+            raw[layer, h] = abs(vals[0] - vals[1]) / (2 * eps)
+    got = gradient_importance(model, batch)
+    torch.testing.assert_close(got, raw / raw.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-7)
