@@ -63,6 +63,80 @@ def _sinks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_recipe(args):
+    from pruner.recipe import load_recipe
+
+    return load_recipe(args.recipe, args.set or [])
+
+
+def _prune(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pruner import pipeline, report
+
+    recipe = _load_recipe(args)
+    out = Path(args.out or f"runs/{Path(args.recipe).stem}")
+    tmp, commit, abort = report.atomic_dir(out, args.overwrite)
+    try:
+        result = pipeline.run(recipe, out)
+        plan_json = result.plan.to_json()
+        (tmp / "plan.json").write_text(plan_json + "\n")
+        (tmp / "metrics.json").write_text(json.dumps(pipeline.to_jsonable(result.metrics), indent=1) + "\n")
+        (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+        (tmp / "report.md").write_text(report.run_report(result.metrics, plan_json))
+        pipeline.save_model(result, tmp / "model")
+        commit()
+    except BaseException:
+        abort()
+        raise
+    m, e = result.metrics, result.metrics["evaluation"]
+    print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
+          f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
+    print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "
+          f"95% CI [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}], {e['windows']} windows)")
+    if "fidelity" in e:
+        print(f"embedding fidelity (mean cosine to the unpruned model): {e['fidelity']:.4f}")
+    sens = m.get("convention_sensitivity")
+    if sens:
+        print(f"convention sensitivity: {sens['changed']} of {m['pruned_heads']} heads would change "
+              f"with the {sens['other']} convention")
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md)")
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pruner import pipeline, report
+    from pruner.scoring import SCORERS, get_scorer
+
+    recipe = _load_recipe(args)
+    scorers = args.scorers.split(",") if args.scorers else list(SCORERS)
+    for name in scorers:
+        get_scorer(name)
+    comps = args.compensation.split(",")
+    bad = [c for c in comps if c not in ("zero", "mean")]
+    if bad:
+        raise ValueError(f"unknown compensation {bad}; valid: zero, mean")
+    out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
+    tmp, commit, abort = report.atomic_dir(out, args.overwrite)
+    try:
+        records = pipeline.compare(recipe, scorers, _floats(args.sparsities), comps)
+        table = report.write_compare(records, recipe, tmp)
+        commit()
+    except BaseException:
+        abort()
+        raise
+    print("\n" + table)
+    print(f"\nwrote {out}/ (compare.json, compare.csv, compare.md, compare.png, recipe.yaml)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pruner", description="Sink-aware attention-head pruning for Hugging Face checkpoints.")
@@ -88,6 +162,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=None)
     sp.set_defaults(func=_sinks)
+
+    def recipe_args(p):
+        p.add_argument("recipe", help="YAML recipe (see recipes/)")
+        p.add_argument("--out", help="output folder (default: runs/<recipe name>[-compare])")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="override a recipe key, e.g. --set selection.target=0.4 (repeatable)")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+
+    pp = sub.add_parser("prune", help="calibrate, score, select, prune, evaluate, save",
+                        description="Prune attention heads as a recipe says, and measure the damage.")
+    recipe_args(pp)
+    pp.set_defaults(func=_prune)
+
+    cp = sub.add_parser("compare", help="every scorer x sparsity x compensation on the same windows",
+                        description="Compare scorers on one calibration pass and the same evaluation windows.")
+    recipe_args(cp)
+    cp.add_argument("--scorers", help="comma-separated scorer names (default: all)")
+    cp.add_argument("--sparsities", default="0.1,0.25,0.4,0.5", help="comma-separated fractions or counts")
+    cp.add_argument("--compensation", default="zero,mean", help="zero, mean or both (comma-separated)")
+    cp.set_defaults(func=_compare)
     return ap
 
 

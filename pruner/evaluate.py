@@ -74,19 +74,39 @@ def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None
     return EvalWindows(ids_t, mask, torch.tensor([pad(r, -100) for r in labels]))
 
 
+def masked_lines(tokenizer, texts: list[str], max_length: int, *, num_samples: int | None = None,
+                 seed: int = 0, mask_prob: float = 0.15) -> EvalWindows:
+    """Encoder evaluation: lines with a fixed, seeded BERT masking; labels at the masked tokens."""
+    from pruner.data import line_samples
+    from pruner.models import mask_tokens
+
+    lines = line_samples(tokenizer, texts, max_length, num_samples=num_samples, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = mask_tokens(lines.input_ids, lines.attention_mask, tokenizer, mask_prob, g)
+    return EvalWindows(ids, lines.attention_mask, labels)
+
+
 @torch.no_grad()
-def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False):
-    """Per-window summed NLL and target count: (window,) float64 and (window,) int."""
+def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
+               causal: bool = True):
+    """Per-window summed NLL and target count: (window,) float64 and (window,) int.
+
+    Causal LMs predict token t+1 at position t; masked LMs predict each labelled
+    position itself.
+    """
     model.eval()
     nll, count = [], []
     it = range(0, len(windows), batch_size)
     for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
         ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
         lab = windows.labels[i:i + batch_size]
-        logits = forward(model, ids, mask).logits[:, :-1].float()  # predicts tokens 1..T-1
-        target = lab[:, 1:]
+        logits = forward(model, ids, mask).logits.float()
+        if causal:
+            logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
+        else:
+            target = lab
         tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
-                                                reduction="none")  # (B, T-1)
+                                                reduction="none")  # (B, T')
         on = target != -100
         nll.append((tok * on).sum(-1).double())
         count.append(on.sum(-1))
@@ -123,3 +143,35 @@ def paired_delta(base: tuple[torch.Tensor, torch.Tensor], pruned: tuple[torch.Te
     lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
     pb, pp = perplexity(nb, c), perplexity(np_, c)
     return PairedDelta(pb, pp, pp - pb, lo.item(), hi.item(), len(c), int(c.sum()))
+
+
+@torch.no_grad()
+def pooled_embeddings(model, windows: EvalWindows, batch_size: int = 32) -> torch.Tensor:
+    """Mean-pooled last hidden states over real tokens (sentence-transformers' pooling). (sample, d)"""
+    out = []
+    for i in range(0, len(windows), batch_size):
+        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
+        h = forward(model, ids, mask, output_hidden_states=True).hidden_states[-1].float()
+        m = mask[..., None].float()
+        out.append((h * m).sum(1) / m.sum(1))
+    return torch.cat(out)
+
+
+def fidelity(base: torch.Tensor, pruned: torch.Tensor) -> float:
+    """Mean cosine between unpruned and pruned pooled embeddings of the same samples (1 = unchanged)."""
+    return torch.nn.functional.cosine_similarity(base, pruned, dim=-1).mean().item()
+
+
+@torch.no_grad()
+def latency_ms(model, windows: EvalWindows, batch_size: int = 8, repeats: int = 3) -> float:
+    """Median wall time (ms) of one forward pass over one evaluation batch."""
+    import time
+
+    ids, mask = windows.input_ids[:batch_size], windows.attention_mask[:batch_size]
+    forward(model, ids, mask)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        forward(model, ids, mask)
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]

@@ -102,14 +102,25 @@ def attends_causally(model) -> bool:
 
 
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = "sdpa"):
-    """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+               attn_implementation: str = "sdpa", device_map: str | None = None):
+    """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`.
+
+    `device_map` (e.g. "auto") is passed to transformers/accelerate for models
+    larger than one device; otherwise the model is moved to `device`.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     path = resolve(name_or_path)
-    cls = AutoModelForCausalLM if is_causal(AutoConfig.from_pretrained(path)) else AutoModel
-    model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
-    return model.to(device).eval()
+    config = AutoConfig.from_pretrained(path)
+    if is_causal(config):
+        cls = AutoModelForCausalLM
+    elif any(a.endswith("ForMaskedLM") for a in (config.architectures or [])):
+        cls = AutoModelForMaskedLM  # keeps the MLM head: masked-token perplexity
+    else:
+        cls = AutoModel
+    kw = {"device_map": device_map} if device_map else {}
+    model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kw)
+    return (model if device_map else model.to(device)).eval()
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,199 @@
+"""The recipe: one validated, typed config, built the same way from YAML, CLI and Python.
+
+Unknown keys, wrong types and out-of-range values are rejected before any
+compute, with the key path in the message (`selection.target: ...`). The
+resolved recipe is saved next to every result.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pruner.scoring import SCORERS
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = Field(min_length=1, description="shipped name, local folder or Hub id")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    device_map: str | None = None
+    mlm_readout: str | None = Field(default=None, description="'shipped' for all-MiniLM-L6-v2's readout")
+
+
+class DataSpec(_Strict):
+    data: str = Field(min_length=1, description="shakespeare:<split>, local file/folder, or Hub dataset id")
+    split: str = "train"
+    text_column: str = "text"
+    name: str | None = None
+    unit: Literal["windows", "lines"] = "windows"
+    length: int = Field(128, ge=4, le=131072)
+    stride: int | None = Field(None, ge=1)
+    num_samples: int | None = Field(64, ge=1)
+    bos: bool = True
+    seed: int = 0
+    batch_size: int = Field(8, ge=1)
+
+
+class SinkSection(_Strict):
+    mode: Literal["first", "bos", "special", "ids", "positions", "auto"] | None = None
+    ids: list[int] = []
+    positions: list[int] = []
+    eps: float = Field(0.3, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _values(self):
+        if self.mode == "ids" and not self.ids:
+            raise ValueError("mode 'ids' needs at least one token id in sinks.ids")
+        if self.mode == "positions" and not self.positions:
+            raise ValueError("mode 'positions' needs at least one position in sinks.positions")
+        if any(p < 0 for p in self.positions):
+            raise ValueError("sink positions must be >= 0")
+        return self
+
+
+class ScorerSpec(_Strict):
+    name: str = "sink-aware"
+    convention: Literal["full", "content"] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in SCORERS:
+            near = difflib.get_close_matches(v, SCORERS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}")
+        return v
+
+
+class SelectionSpec(_Strict):
+    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a head count (>= 1)")
+    budget: Literal["global", "layer"] = "global"
+    min_heads_per_layer: int = Field(1, ge=1)
+    gqa: Literal["equal", "group"] = "equal"
+    seed: int = 0
+
+    @field_validator("target")
+    @classmethod
+    def _fraction_or_count(cls, v: float) -> float:
+        if v >= 1 and v != int(v):
+            raise ValueError("a target >= 1 is a head count and must be a whole number; "
+                             "fractions must be in (0, 1)")
+        return v
+
+
+class SurgerySpec(_Strict):
+    mode: Literal["mask", "remove"] = "mask"
+    compensation: Literal["zero", "mean"] = "mean"
+
+
+class EvaluationSpec(DataSpec):
+    num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
+    bootstrap: int = Field(1000, ge=0)
+    latency: bool = True
+
+
+class ExportSpec(_Strict):
+    format: Literal["none", "dense", "compact"] = "none"
+    push_to_hub: str | None = None
+    private: bool = False
+
+
+class CaptureSpec(_Strict):
+    chunk_size: int = Field(128, ge=1)
+    metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine", "js"]
+
+
+class Recipe(_Strict):
+    model: ModelSpec
+    calibration: DataSpec = DataSpec(data="shakespeare:calibration")
+    evaluation: EvaluationSpec = EvaluationSpec(data="shakespeare:evaluation")
+    sinks: SinkSection = SinkSection()
+    scorer: ScorerSpec = ScorerSpec()
+    selection: SelectionSpec = SelectionSpec()
+    surgery: SurgerySpec = SurgerySpec()
+    export: ExportSpec = ExportSpec()
+    capture: CaptureSpec = CaptureSpec()
+    threads: int | None = Field(None, ge=1)
+    seed: int = 0
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _message(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(recipe)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{path}: {msg}")
+    return "invalid recipe: " + "; ".join(lines)
+
+
+def _set(tree: dict, dotted: str, raw: str) -> None:
+    """Apply one `key.path=value` override (value parsed as YAML)."""
+    keys = dotted.split(".")
+    node = tree
+    for i, k in enumerate(keys[:-1]):
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+
+
+def _check_paths(overrides: list[str]) -> None:
+    """Every override must name a key the recipe schema has."""
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"--set expects key=value, got {item!r}")
+        dotted = item.split("=", 1)[0]
+        cls: Any = Recipe
+        for k in dotted.split("."):
+            fields = getattr(cls, "model_fields", None)
+            if fields is None or k not in fields:
+                valid = ", ".join(fields) if fields else "(none: not a section)"
+                raise RecipeError(f"--set {dotted}: no such key {k!r}; valid here: {valid}")
+            cls = fields[k].annotation
+            if hasattr(cls, "__args__"):  # Optional[...] etc.: the section type, if any
+                cls = next((a for a in cls.__args__ if hasattr(a, "model_fields")), cls)
+
+
+def load_recipe(source: str | Path | dict, overrides: list[str] = ()) -> Recipe:
+    """A validated recipe from a YAML path, YAML text or a dict, with `key=value` overrides."""
+    if isinstance(source, dict):
+        tree = source
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise RecipeError(f"recipe file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise RecipeError(f"recipe {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(tree, dict):
+        raise RecipeError("a recipe must be a YAML mapping with at least a `model:` section")
+    _check_paths(list(overrides))
+    tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        _set(tree, key, raw)
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise RecipeError(_message(e)) from None

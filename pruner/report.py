@@ -1,0 +1,134 @@
+"""Results for humans: tables, plots, and the files written next to every run."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pruner.recipe import Recipe
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def compare_table(records: list[dict]) -> str:
+    """Rows: scorer; columns: sparsity x compensation, cells: +dPPL [CI]."""
+    sparsities = sorted({r["sparsity"] for r in records})
+    comps = [c for c in ("zero", "mean") if any(r["compensation"] == c for r in records)]
+    scorers = list(dict.fromkeys(r["scorer"] for r in records))
+    cell = {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records}
+    header = ["scorer"] + [f"{c} @ {s:g}" for c in comps for s in sparsities]
+    rows = []
+    for name in scorers:
+        row = [name]
+        for c in comps:
+            for s in sparsities:
+                r = cell.get((name, s, c))
+                row.append("" if r is None else f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]")
+        rows.append(row)
+    base = records[0]["base"] if records else float("nan")
+    return f"base perplexity {base:.2f}; cells: perplexity change [95% CI]\n\n" + markdown_table(header, rows)
+
+
+def plot_compare(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = [c for c in ("zero", "mean") if any(r["compensation"] == c for r in records)]
+    fig, axes = plt.subplots(1, len(comps), figsize=(6 * len(comps), 4.2), squeeze=False, sharey=True)
+    for ax, comp in zip(axes[0], comps):
+        for name in dict.fromkeys(r["scorer"] for r in records):
+            rs = sorted((r for r in records if r["scorer"] == name and r["compensation"] == comp),
+                        key=lambda r: r["sparsity"])
+            x = [100 * r["sparsity"] if r["sparsity"] < 1 else r["sparsity"] for r in rs]
+            line, = ax.plot(x, [r["delta"] for r in rs], marker="o", label=name,
+                            lw=2.5 if name == "sink-aware" else 1.2)
+            ax.fill_between(x, [r["ci_low"] for r in rs], [r["ci_high"] for r in rs],
+                            color=line.get_color(), alpha=0.15)
+        ax.set_title(f"compensation: {comp}")
+        ax.set_xlabel("heads pruned (%)")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("perplexity change (symlog)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def atomic_dir(out: Path, overwrite: bool):
+    """A temporary sibling folder to fill; `commit()` renames it to `out` (nothing half-written)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(out.parent, os.W_OK):
+        raise PermissionError(f"cannot write to {out.parent}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+    def commit() -> None:
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+
+    def abort() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    return tmp, commit, abort
+
+
+def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
+    """compare.json, compare.csv, compare.md, compare.png and the resolved recipe."""
+    (folder / "compare.json").write_text(json.dumps(records, indent=1))
+    buf = io.StringIO()
+    keys = ["scorer", "sparsity", "compensation", "pruned_heads", "base", "pruned", "delta", "ci_low", "ci_high",
+            "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(records)
+    (folder / "compare.csv").write_text(buf.getvalue())
+    table = compare_table(records)
+    title = f"{recipe.model.path}: perplexity change vs heads pruned"
+    (folder / "compare.md").write_text(f"# {title}\n\n{table}\n\n![compare](compare.png)\n")
+    plot_compare(records, folder / "compare.png", title)
+    (folder / "recipe.yaml").write_text(recipe.to_yaml())
+    return table
+
+
+def run_report(metrics: dict, plan_json: str) -> str:
+    """A short report.md for one pruning run."""
+    e = metrics["evaluation"]
+    plan = json.loads(plan_json)
+    lines = [f"# pruner: {metrics['model']}", "",
+             f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
+             f"`{metrics['scorer']}`" + (f" ({metrics['convention']} convention)" if metrics["convention"] else "")
+             + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
+             markdown_table(["", "value"], [
+                 ["perplexity before", e["base"]], ["perplexity after", e["pruned"]],
+                 ["change [95% CI]", f"{e['delta']:+.2f} [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}]"],
+                 ["evaluation windows / tokens", f"{e['windows']} / {e['tokens']}"],
+                 ["parameters", f"{metrics['params_before']:,} -> {metrics['params_after']:,}"],
+                 ["latency (ms / batch)", f"{metrics['latency_ms_before']} -> {metrics['latency_ms_after']}"],
+             ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else [])), ""]
+    sens = metrics.get("convention_sensitivity")
+    if sens:
+        lines += [f"**Convention sensitivity**: with the {sens['other']} convention instead of "
+                  f"{sens['convention']}, {sens['changed']} of the {metrics['pruned_heads']} selected heads "
+                  f"would change (only here: {sens['only_this']}; only there: {sens['only_other']}).", ""]
+    lines += ["## Pruned heads", "", markdown_table(
+        ["step", "layer", "head", "score", "sink mass", "nearest twin", "twin cosine"],
+        [[x["step"], x["layer"], x["head"], f"{x['score']:.4g}", x["sink_mass"], x["twin"],
+          "" if x["twin_similarity"] is None else x["twin_similarity"]] for x in plan["entries"]])]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,88 @@
+"""Recipe validation: every rejection rule names the key path; overrides; shipped recipes load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pruner.recipe import Recipe, RecipeError, load_recipe
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"model": {"path": "minilm-causal"}}
+
+
+def with_(**sections):
+    tree = {**BASE}
+    for k, v in sections.items():
+        tree[k] = v
+    return tree
+
+
+@pytest.mark.parametrize("tree,match", [
+    ({}, r"model: Field required"),
+    (with_(bogus=1), r"bogus: unknown key"),
+    (with_(selection={"tagret": 0.2}), r"selection.tagret: unknown key"),
+    (with_(selection={"target": 0}), r"selection.target: Input should be greater than 0"),
+    (with_(selection={"target": 1.5}), r"selection.target: a target >= 1 is a head count"),
+    (with_(selection={"target": "a lot"}), r"selection.target: Input should be a valid number"),
+    (with_(selection={"budget": "both"}), r"selection.budget: Input should be 'global' or 'layer'"),
+    (with_(selection={"min_heads_per_layer": 0}), r"selection.min_heads_per_layer: .*greater than or equal to 1"),
+    (with_(selection={"gqa": "some"}), r"selection.gqa"),
+    (with_(scorer={"name": "sink-awre"}), r"scorer.name: unknown scorer 'sink-awre' \(did you mean 'sink-aware'\?\)"),
+    (with_(scorer={"convention": "both"}), r"scorer.convention"),
+    (with_(surgery={"mode": "delete"}), r"surgery.mode: Input should be 'mask' or 'remove'"),
+    (with_(surgery={"compensation": "median"}), r"surgery.compensation"),
+    (with_(sinks={"mode": "ids"}), r"sinks: .*needs at least one token id"),
+    (with_(sinks={"mode": "positions"}), r"sinks: .*needs at least one position"),
+    (with_(sinks={"mode": "positions", "positions": [-1]}), r"sinks: .*>= 0"),
+    (with_(sinks={"mode": "cls"}), r"sinks.mode"),
+    (with_(sinks={"eps": 1.0}), r"sinks.eps: Input should be less than 1"),
+    (with_(calibration={"data": "x", "length": 2}), r"calibration.length: .*greater than or equal to 4"),
+    (with_(calibration={"data": "x", "unit": "pages"}), r"calibration.unit"),
+    (with_(calibration={"data": ""}), r"calibration.data: String should have at least 1 character"),
+    (with_(evaluation={"data": "x", "stride": 0}), r"evaluation.stride: .*greater than or equal to 1"),
+    (with_(evaluation={"data": "x", "bootstrap": -1}), r"evaluation.bootstrap"),
+    (with_(model={"path": "x", "dtype": "int8"}), r"model.dtype"),
+    (with_(export={"format": "zip"}), r"export.format"),
+    (with_(capture={"metrics": ["kl"]}), r"capture.metrics.0"),
+    (with_(threads=0), r"threads: .*greater than or equal to 1"),
+])
+def test_rejections_name_the_key_path(tree, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(tree)
+
+
+def test_overrides_apply_and_reject_missing_keys():
+    r = load_recipe(BASE, ["selection.target=0.4", "scorer.name=cosine", "surgery.compensation=zero"])
+    assert (r.selection.target, r.scorer.name, r.surgery.compensation) == (0.4, "cosine", "zero")
+    with pytest.raises(RecipeError, match=r"no such key 'tagret'; valid here: target"):
+        load_recipe(BASE, ["selection.tagret=0.4"])
+    with pytest.raises(RecipeError, match="key=value"):
+        load_recipe(BASE, ["selection.target"])
+    with pytest.raises(RecipeError, match=r"selection.target: Input should be greater than 0"):
+        load_recipe(BASE, ["selection.target=-1"])
+
+
+def test_yaml_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: x\nscorer: [")
+    with pytest.raises(RecipeError, match=r"not valid YAML \(line"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="YAML mapping"):
+        load_recipe(tmp_path / "list.yaml")
+
+
+def test_resolved_recipe_round_trips():
+    r = load_recipe(ROOT / "recipes" / "quickstart.yaml")
+    again = load_recipe(__import__("yaml").safe_load(r.to_yaml()))
+    assert again == r and isinstance(r, Recipe)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    load_recipe(path)
