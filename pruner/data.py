@@ -126,7 +126,7 @@ def token_windows(tokenizer, texts: Sequence[str], length: int, *, bos: bool = T
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     stream: list[int] = []
     for text in texts:
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if sep is not None:
             stream.append(int(sep))
     body = length - 1 if bos else length

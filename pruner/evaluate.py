@@ -48,7 +48,7 @@ def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     ids: list[int] = []
     for t in texts:
-        ids += tokenizer(t, add_special_tokens=False)["input_ids"] + ([sep] if sep is not None else [])
+        ids += tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] + ([sep] if sep is not None else [])
     if len(ids) < 2:
         raise DataError("evaluation text has fewer than 2 tokens")
     rows, labels = [], []

@@ -107,6 +107,10 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
     return table
 
 
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def run_report(metrics: dict, plan_json: str) -> str:
     """A short report.md for one pruning run."""
     e = metrics["evaluation"]
@@ -120,7 +124,7 @@ def run_report(metrics: dict, plan_json: str) -> str:
                  ["change [95% CI]", f"{e['delta']:+.2f} [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}]"],
                  ["evaluation windows / tokens", f"{e['windows']} / {e['tokens']}"],
                  ["parameters", f"{metrics['params_before']:,} -> {metrics['params_after']:,}"],
-                 ["latency (ms / batch)", f"{metrics['latency_ms_before']} -> {metrics['latency_ms_after']}"],
+                 ["latency (ms / batch)", _ms(metrics["latency_ms_before"]) + " -> " + _ms(metrics["latency_ms_after"])],
              ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else [])), ""]
     sens = metrics.get("convention_sensitivity")
     if sens:

@@ -1,0 +1,98 @@
+"""Design study for the sink-aware scorer, on a development split (never the evaluation split).
+
+    python eval/scorer_study.py [MODEL] [--targets 0.25,0.4,0.5]
+
+Calibration: 2 plays of the calibration split; development perplexity: the
+other 2 plays. Candidate scores are defined here (pure functions of the same
+`ScoringInputs` the registry uses), run through the registry's selection and
+scoped masks, and printed as a table of perplexity changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pruner import arch, assets, data, models, surgery  # noqa: E402
+from pruner import composition as cp  # noqa: E402
+from pruner.calibrate import calibrate  # noqa: E402
+from pruner.capture import CaptureConfig  # noqa: E402
+from pruner.evaluate import paired_delta, sliding_windows, window_nll  # noqa: E402
+from pruner.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact  # noqa: E402
+from pruner.selection import SelectionConfig, select  # noqa: E402
+from pruner.sinks import SinkSpec  # noqa: E402
+
+CAL_PLAYS = ("othello", "as_you_like_it")
+DEV_PLAYS = ("henry_v", "winters_tale")
+
+
+def texts(plays):
+    return [(assets.shakespeare("calibration") / f"{p}.txt").read_text() for p in plays]
+
+
+def variants() -> dict[str, Scorer]:
+    """Candidate sink-aware scores (importance, higher = keep)."""
+    def energy(inp, alive, conv):
+        return fluctuation_exact(inp)["o"]
+
+    def content_only(inp, alive, conv):
+        f = fluctuation_exact(inp)
+        return f["w"]
+
+    def redundancy_discount(inp, alive, conv):
+        rho = _max_similarity(inp.stats.pairs["cosine/content"], alive)
+        return fluctuation_exact(inp)["o"] * (1 - rho ** 2)
+
+    def rel_layer(inp, alive, conv):
+        f = fluctuation_exact(inp)["o"]
+        return f / f.sum(-1, keepdim=True)
+
+    def content_weight(inp, alive, conv):
+        return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass)
+
+    return {
+        "fluct-exact": Scorer("fluct-exact", energy),
+        "fluct-content": Scorer("fluct-content", content_only),
+        "fluct-x-(1-rho2)": Scorer("fluct-x-(1-rho2)", redundancy_discount, adaptive=True),
+        "fluct-layer-share": Scorer("fluct-layer-share", rel_layer),
+        "fluct-x-(1-s)": Scorer("fluct-x-(1-s)", content_weight),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default="minilm-causal")
+    ap.add_argument("--targets", default="0.25,0.4,0.5")
+    ap.add_argument("--baselines", default="fluctuation,gradient,cosine")
+    ap.add_argument("--windows", type=int, default=48)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model, tok = models.load_model(args.model), models.load_tokenizer(args.model)
+    cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
+    dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
+    inputs = calibrate(model, cal, SinkSpec("first"), tok, gradient="gradient" in args.baselines,
+                       config=CaptureConfig(metrics=("cosine",), outputs=True))
+    base = window_nll(model, dev)
+    geom = arch.geometry(model)
+    scorers = {n: SCORERS[n] for n in args.baselines.split(",")} | variants()
+    targets = [float(t) for t in args.targets.split(",")]
+    print(f"{args.model}: base dev perplexity {paired_delta(base, base).base:.2f}; mean compensation")
+    print(f"{'scorer':22s}" + "".join(f"{t:>10g}" for t in targets))
+    for name, scorer in scorers.items():
+        cells = []
+        for t in targets:
+            plan = select(scorer, inputs, geom, SelectionConfig(target=t))
+            bias = surgery.compensation_bias(model, plan.heads, inputs.stats.outputs)
+            with surgery.masked(model, plan.heads, bias):
+                d = paired_delta(base, window_nll(model, dev), n_boot=1)
+            cells.append(d.delta)
+        print(f"{name:22s}" + "".join(f"{c:>+10.2f}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The command line end to end on the shipped causal all-MiniLM-L6-v2 (small sample counts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pruner.cli import main
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8",
+         "--set", "evaluation.bootstrap=50", "--set", "capture.metrics=[cosine]"]
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and "pruner 0.1.0" in capsys.readouterr().out
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for cmd in ("sinks", "prune", "compare"):
+        assert cmd in out
+
+
+def test_prune_writes_a_complete_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out)] + QUICK)
+    assert rc == 0
+    files = {p.name for p in out.iterdir()}
+    assert {"plan.json", "metrics.json", "recipe.yaml", "report.md", "model"} <= files
+    plan = json.loads((out / "plan.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert plan["pruned"] == 18 == metrics["pruned_heads"]
+    assert metrics["evaluation"]["base"] > 1 and metrics["evaluation"]["ci_low"] <= metrics["evaluation"]["delta"]
+    text = capsys.readouterr().out
+    assert "pruned 18/72 heads" in text and "perplexity" in text
+    # the saved (dense, masked) model reloads with vanilla transformers and is really pruned
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    layer, head = plan["entries"][0]["layer"], plan["entries"][0]["head"]
+    w = model.bert.encoder.layer[layer].attention.output.dense.weight
+    assert w[:, head * 32:(head + 1) * 32].abs().sum() == 0
+    # refusing to overwrite leaves the run intact
+    assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out)] + QUICK) == 2
+    assert (out / "plan.json").read_text() == json.dumps(plan, indent=1, sort_keys=True) + "\n"
+
+
+def test_compare_writes_table_csv_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out),
+               "--scorers", "sink-aware,cosine,random", "--sparsities", "0.1,0.25"] + QUICK)
+    assert rc == 0
+    records = json.loads((out / "compare.json").read_text())
+    assert len(records) == 3 * 2 * 2
+    assert {(r["scorer"], r["sparsity"], r["compensation"]) for r in records} == {
+        (s, p, c) for s in ("sink-aware", "cosine", "random") for p in (0.1, 0.25) for c in ("zero", "mean")}
+    base = {r["base"] for r in records}
+    assert len(base) == 1  # every record on the same windows
+    assert (out / "compare.png").stat().st_size > 10_000
+    assert "sink-aware" in (out / "compare.md").read_text()
+    assert len((out / "compare.csv").read_text().splitlines()) == 13
+    assert "perplexity change" in capsys.readouterr().out
+
+
+def test_sinks_command(capsys):
+    assert main(["sinks", "minilm-causal", "--num-samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sink mass per layer x head" in out and "FULL vs CONTENT" in out
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert main(["prune", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pruner: error:") and "does not exist" in err and "Traceback" not in err
