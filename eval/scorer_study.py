@@ -35,6 +35,17 @@ def texts(plays):
     return [(assets.shakespeare("calibration") / f"{p}.txt").read_text() for p in plays]
 
 
+RESID: torch.Tensor | None = None  # (layer,) mean squared norm of the residual stream at the layer's input
+
+
+def residual_energy(model, batch) -> torch.Tensor:
+    from pruner.models import forward
+
+    with torch.no_grad():
+        hs = forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True).hidden_states
+    return torch.stack([h.double().pow(2).sum(-1).mean() for h in hs[:-1]])
+
+
 def variants() -> dict[str, Scorer]:
     """Candidate sink-aware scores (importance, higher = keep)."""
     def energy(inp, alive, conv):
@@ -55,7 +66,32 @@ def variants() -> dict[str, Scorer]:
     def content_weight(inp, alive, conv):
         return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass)
 
+    def rel_resid(inp, alive, conv):
+        return fluctuation_exact(inp)["o"] / RESID[:, None]
+
+    def content_rel_resid(inp, alive, conv):
+        return fluctuation_exact(inp)["w"] / RESID[:, None]
+
+    def split_half(inp, alive, conv):
+        f = fluctuation_exact(inp)
+        return f["w"] + 0.5 * f["u"]
+
+    def flap_content_weight(inp, alive, conv):
+        return SCORERS["fluctuation"](inp, alive) * (1 - inp.stats.sink_mass)
+
+    def content_x_content_weight(inp, alive, conv):
+        return fluctuation_exact(inp)["w"] * (1 - inp.stats.sink_mass)
+
+    def exact_x_sq(inp, alive, conv):
+        return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass) ** 2
+
     return {
+        "flap-x-(1-s)": Scorer("flap-x-(1-s)", flap_content_weight),
+        "fluct-w-x-(1-s)": Scorer("fluct-w-x-(1-s)", content_x_content_weight),
+        "fluct-x-(1-s)^2": Scorer("fluct-x-(1-s)^2", exact_x_sq),
+        "fluct/resid": Scorer("fluct/resid", rel_resid),
+        "fluct-content/resid": Scorer("fluct-content/resid", content_rel_resid),
+        "fluct-w+0.5u": Scorer("fluct-w+0.5u", split_half),
         "fluct-exact": Scorer("fluct-exact", energy),
         "fluct-content": Scorer("fluct-content", content_only),
         "fluct-x-(1-rho2)": Scorer("fluct-x-(1-rho2)", redundancy_discount, adaptive=True),
@@ -70,6 +106,7 @@ def main() -> None:
     ap.add_argument("--targets", default="0.25,0.4,0.5")
     ap.add_argument("--baselines", default="fluctuation,gradient,cosine")
     ap.add_argument("--windows", type=int, default=48)
+    ap.add_argument("--only", default="", help="comma-separated subset of scorer names")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, tok = models.load_model(args.model), models.load_tokenizer(args.model)
@@ -78,8 +115,13 @@ def main() -> None:
     inputs = calibrate(model, cal, SinkSpec("first"), tok, gradient="gradient" in args.baselines,
                        config=CaptureConfig(metrics=("cosine",), outputs=True))
     base = window_nll(model, dev)
+    global RESID
+    RESID = residual_energy(model, cal)
+    print("residual energy per layer:", [round(x, 1) for x in RESID.tolist()])
     geom = arch.geometry(model)
-    scorers = {n: SCORERS[n] for n in args.baselines.split(",")} | variants()
+    scorers = {n: SCORERS[n] for n in args.baselines.split(",") if n} | variants()
+    if args.only:
+        scorers = {k: v for k, v in scorers.items() if k in args.only.split(",")}
     targets = [float(t) for t in args.targets.split(",")]
     print(f"{args.model}: base dev perplexity {paired_delta(base, base).base:.2f}; mean compensation")
     print(f"{'scorer':22s}" + "".join(f"{t:>10g}" for t in targets))

@@ -7,9 +7,10 @@ shape:
 - `valid` -- keys the query may see (causal prefix, non-pad keys);
 - `sink`  -- keys in the sink set S (a subset of `valid` is used).
 
-Content set C = valid & ~sink. Inputs of any float dtype are computed in float64
-(or the input dtype when it is already float64), so the identities of DESIGN
-section 4 hold to ~1e-12.
+Content set C = valid & ~sink. Float64 inputs are computed in float64 (the
+identities of DESIGN section 4 then hold to ~1e-12); float32 stays float32 (the
+streaming capture's per-row work; its sums are float64); half precision is
+upcast to float32.
 
 Why log-parts: Aitchison geometry only needs log-ratios, and every log-ratio
 among visible keys equals the difference of pre-softmax scores `z`. Functions
@@ -28,7 +29,8 @@ Tensor = torch.Tensor
 
 
 def _f64(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float64 else x.to(torch.float64)
+    """The working precision: float64 and float32 as they are, anything else float32."""
+    return x if x.dtype in (torch.float64, torch.float32) else x.to(torch.float32)
 
 
 def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:

@@ -86,10 +86,10 @@ def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMo
     """
     v = v.to(a.dtype)
     a_sink = a * sink
-    u = a_sink @ v  # (B, H, c, d_head)
-    w = (a - a_sink) @ v
+    u = (a_sink @ v).double()  # (B, H, c, d_head)
+    w = ((a - a_sink) @ v).double()
     o = u + w
-    r = rows.to(a.dtype)[:, None, :, None]  # (B, 1, c, 1)
+    r = rows.double()[:, None, :, None]  # (B, 1, c, 1)
     first = lambda x: (x * r).sum(dim=(0, 2))  # noqa: E731  (H, d_head)
     second = lambda x: torch.einsum("bhqd,bhqe->hde", x * r, x)  # noqa: E731  (H, d_head, d_head)
     return OutputMoments(r.sum(), first(o), first(u), first(w), second(o), second(u), second(w))
@@ -103,14 +103,8 @@ def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
 def _cosine_pairs(p: Tensor) -> Tensor:
     """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
     p = p.transpose(1, 2)  # (B, c, H, K)
-    n = p / p.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    n = p / p.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
     return n @ n.transpose(-1, -2)
-
-
-def _hellinger_pairs(p: Tensor) -> Tensor:
-    r = p.clamp_min(0).sqrt().transpose(1, 2)  # (B, c, H, K)
-    bc = r @ r.transpose(-1, -2)
-    return (1 - bc).clamp_min(0).sqrt()
 
 
 def _loop_pairs(p: Tensor, fn) -> Tensor:
@@ -126,6 +120,12 @@ def _js(p: Tensor, q: Tensor) -> Tensor:
     m = (p + q) / 2
     h = lambda x: -torch.xlogy(x, x).sum(-1)  # noqa: E731
     return (h(m) - (h(p) + h(q)) / 2).clamp_min(0)
+
+
+def _hellinger(p: Tensor, q: Tensor) -> Tensor:
+    """Direct form: 1 - Bhattacharyya coefficient would cancel badly near p = q."""
+    d = p.clamp_min(0).sqrt() - q.clamp_min(0).sqrt()
+    return ((d * d).sum(-1) / 2).sqrt()
 
 
 def _tv(p: Tensor, q: Tensor) -> Tensor:
@@ -153,13 +153,13 @@ def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tu
         if m == "cosine":
             out[m] = _cosine_pairs(p)
         elif m == "hellinger":
-            out[m] = _hellinger_pairs(p)
+            out[m] = _loop_pairs(p, _hellinger)
         elif m == "js":
             out[m] = _loop_pairs(p, _js)
         elif m == "tv":
             out[m] = _loop_pairs(p, _tv)
         elif m == "aitchison":
-            zz = torch.where(parts, z.to(torch.float64), torch.zeros((), dtype=torch.float64))
+            zz = torch.where(parts, z, torch.zeros((), dtype=z.dtype))
             out[m] = _aitchison_pairs(cp.clr_log(zz, parts.expand_as(zz)))
         else:
             raise ValueError(f"unknown pair metric {m!r}; valid: {', '.join(PAIR_METRICS)}")
@@ -177,21 +177,21 @@ def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: t
     With values v: (B, H, K, d_head), also the output moments over `out_rows`
     (B, c): every non-pad query, sinks included, since all of them are written.
     """
-    z = z.to(torch.float64)
+    z = z if z.dtype in (torch.float32, torch.float64) else z.float()  # per-row work; sums in float64
     valid = valid.expand(z.shape)
     sink = sink[:, None, None, :].expand(z.shape)
-    a = torch.softmax(z.masked_fill(~valid, float("-inf")), dim=-1)
+    a = torch.softmax(z.masked_fill(~valid, float("-inf")), dim=-1)  # (B, H, c, K)
     a = torch.nan_to_num(a)  # fully masked (pad) query rows: zeros, and they never count
     e = cp.entropy_parts(a, sink, valid)  # each (B, H, c)
     n_content = cp.content_count(sink, valid)  # (B, H, c), same for every head
     w = rows.to(torch.float64)  # (B, c)
     wc = w * (n_content[:, 0] >= 2)
-    per_head = lambda x, wt: torch.einsum("bhq,bq->h", x, wt)  # noqa: E731
+    per_head = lambda x, wt: torch.einsum("bhq,bq->h", x.double(), wt)  # noqa: E731
     pairs = {}
     for conv, wt in ((cp.FULL, w), (cp.CONTENT, wc)):
         if metrics:
             for name, m in pair_matrices(z, a, sink, valid, metrics, conv).items():
-                pairs[f"{name}/{conv}"] = _pair_sum(torch.nan_to_num(m), wt)
+                pairs[f"{name}/{conv}"] = _pair_sum(torch.nan_to_num(m).double(), wt)
     return LayerStats(
         rows=w.sum(), content_rows=wc.sum(),
         sink_mass=per_head(e.s, w), entropy_full=per_head(e.full, w),

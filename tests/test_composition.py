@@ -188,8 +188,11 @@ def test_single_content_key_and_degenerate_rows():
         cp.rows_for(a, sink, valid, "both")
 
 
-def test_float32_inputs_are_computed_in_float64():
-    a = torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float32)
+def test_half_precision_is_computed_in_float32_and_float64_kept():
     sink = torch.tensor([[True, False, False]])
-    e = cp.entropy_parts(a, sink, torch.ones_like(sink))
-    assert e.full.dtype == torch.float64
+    for dtype, work in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                        (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        a = torch.tensor([[0.6, 0.3, 0.1]], dtype=dtype)
+        e = cp.entropy_parts(a, sink, torch.ones_like(sink))
+        assert e.full.dtype == work
+        assert e.full.item() == pytest.approx(0.8979, abs=2e-3)

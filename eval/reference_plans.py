@@ -1,0 +1,48 @@
+"""The plan of every scorer at one sparsity, with convention sensitivity (issue evidence).
+
+    python eval/reference_plans.py gpt2-shakespeare llama-shakespeare [--target 0.25]
+
+Prints, per model and scorer, the pruned heads as layer:head and, for redundancy
+scorers, how many would change under the other convention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pruner import arch, pipeline  # noqa: E402
+from pruner.recipe import load_recipe  # noqa: E402
+from pruner.scoring import SCORERS, get_scorer  # noqa: E402
+from pruner.selection import SelectionConfig, convention_sensitivity, select  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--target", type=float, default=0.25)
+    args = ap.parse_args()
+    for name in args.models:
+        recipe = load_recipe({"model": {"path": name}, "evaluation": {"data": "shakespeare:evaluation",
+                                                                      "num_samples": 1}})
+        session = pipeline.prepare(recipe, progress=False)
+        inputs = pipeline.scoring_inputs(session, gradient=True, progress=False)
+        geom = arch.geometry(session.model)
+        cfg = SelectionConfig(target=args.target)
+        print(f"\n## {name}: {geom.n_layers} layers x {geom.n_heads} heads, {args.target:.0%} pruned")
+        print("| scorer | pruned heads (layer:head) | convention sensitivity |\n|---|---|---|")
+        for s in SCORERS:
+            scorer = get_scorer(s)
+            plan = select(scorer, inputs, geom, cfg)
+            sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
+            heads = " ".join(f"{layer}:{h}" for layer, hs in plan.heads.items() for h in hs)
+            note = "—" if sens is None else (f"{sens.changed}/{len(plan.entries)} change under {sens.other} "
+                                             f"(out: {sens.only_this}, in: {sens.only_other})")
+            print(f"| {s} | {heads} | {note} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
