@@ -85,7 +85,27 @@ def variants() -> dict[str, Scorer]:
     def exact_x_sq(inp, alive, conv):
         return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass) ** 2
 
+    def flap_of(inp, key):
+        rows = []
+        for m, g in zip(inp.stats.outputs, inp.gram):
+            mean = getattr(m, key) / m.tokens
+            var = torch.diagonal(getattr(m, key + key), dim1=-2, dim2=-1) / m.tokens - mean ** 2
+            rows.append((var * torch.diagonal(g, dim1=-2, dim2=-1)).sum(-1))
+        return torch.stack(rows)
+
+    def flap_w(inp, alive, conv):
+        return flap_of(inp, "w")
+
+    def flap_sqrt(inp, alive, conv):
+        return flap_of(inp, "o") * (1 - inp.stats.sink_mass).sqrt()
+
+    def flap_w_plus_u(inp, alive, conv):
+        return flap_of(inp, "w") + flap_of(inp, "u") * (1 - inp.stats.sink_mass)
+
     return {
+        "flap-w": Scorer("flap-w", flap_w),
+        "flap-x-sqrt(1-s)": Scorer("flap-x-sqrt(1-s)", flap_sqrt),
+        "flap-w+(1-s)u": Scorer("flap-w+(1-s)u", flap_w_plus_u),
         "flap-x-(1-s)": Scorer("flap-x-(1-s)", flap_content_weight),
         "fluct-w-x-(1-s)": Scorer("fluct-w-x-(1-s)", content_x_content_weight),
         "fluct-x-(1-s)^2": Scorer("fluct-x-(1-s)^2", exact_x_sq),
