@@ -102,7 +102,21 @@ def variants() -> dict[str, Scorer]:
     def flap_w_plus_u(inp, alive, conv):
         return flap_of(inp, "w") + flap_of(inp, "u") * (1 - inp.stats.sink_mass)
 
+    from pruner.scoring import cross_energy
+    K = {}
+
+    def joint(inp, alive, conv, weight=None):
+        if "k" not in K:
+            K["k"] = cross_energy(inp)
+        k = K["k"]
+        pruned = (~alive).double()  # (L, H)
+        marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
+        return marginal if weight is None else marginal * weight(inp)
+
     return {
+        "joint": Scorer("joint", joint, adaptive=True),
+        "joint-x-(1-s)": Scorer("joint-x-(1-s)", lambda i, a, c: joint(i, a, c, lambda x: 1 - x.stats.sink_mass),
+                                adaptive=True),
         "flap-w": Scorer("flap-w", flap_w),
         "flap-x-sqrt(1-s)": Scorer("flap-x-sqrt(1-s)", flap_sqrt),
         "flap-w+(1-s)u": Scorer("flap-w+(1-s)u", flap_w_plus_u),

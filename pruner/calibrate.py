@@ -27,6 +27,13 @@ def head_grams(model) -> torch.Tensor:
     return torch.stack(out)
 
 
+def layer_grams(model) -> torch.Tensor:
+    """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float64."""
+    g = arch.geometry(model)
+    return torch.stack([(lambda w: w.t() @ w)(arch.o_weight_cols(model, layer).detach().double())
+                        for layer in range(g.n_layers)])
+
+
 def weight_norms(model) -> torch.Tensor:
     """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)"""
     g = arch.geometry(model)
@@ -94,4 +101,4 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
     grad = gradient_importance(model, batch, progress=progress) if gradient else None
     return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
-                         gradient=grad, seed=seed)
+                         gradient=grad, seed=seed, o_gram=layer_grams(model))

@@ -30,6 +30,7 @@ class ScoringInputs:
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
     seed: int = 0
+    o_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of the whole layer
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,24 @@ def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
         for k in res:
             res[k].append(torch.einsum("hde,hed->h", g, cov[k]))
     return {k: torch.stack(v).clamp_min(0) for k, v in res.items()}
+
+
+def cross_energy(inputs: ScoringInputs) -> Tensor:
+    """K[l, h, g] = E[(W_h (o_h - E o_h)) . (W_g (o_g - E o_g))]. (layer, head, head)
+
+    The energy of pruning a set P of heads of a layer with mean compensation is
+    exactly sum_{h, g in P} K[h, g]: K's diagonal is each head's own fluctuation,
+    its off-diagonal the interaction of two heads' deviations (positive when they
+    carry the same signal, so removing both costs more than the sum).
+    """
+    out = []
+    for m, gram in zip(inputs.stats.outputs, inputs.o_gram):
+        mean = (m.o / m.tokens).reshape(-1)
+        cov = m.joint / m.tokens - torch.outer(mean, mean)  # (D, D), D = H * d_head
+        H = m.o.shape[0]
+        prod = (gram * cov).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
+        out.append(prod.sum(dim=(1, 3)))
+    return torch.stack(out)
 
 
 def _flap(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:

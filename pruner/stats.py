@@ -64,7 +64,10 @@ class OutputMoments:
     content channel. Keeping sums of o, u, w and of their outer products lets any
     quadratic form through W_O (output norms, fluctuation around the mean, the
     part of it each channel carries) be computed later, exactly.
-    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head).
+    `joint` is the second moment of all heads' outputs together, so the energy of
+    pruning several heads of a layer at once (their cross terms) is exact too.
+    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head);
+    joint: (head * d_head, head * d_head).
     """
 
     tokens: Tensor
@@ -74,6 +77,7 @@ class OutputMoments:
     oo: Tensor
     uu: Tensor
     ww: Tensor
+    joint: Tensor
 
     def __add__(self, other: "OutputMoments") -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -92,7 +96,9 @@ def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMo
     r = rows.double()[:, None, :, None]  # (B, 1, c, 1)
     first = lambda x: (x * r).sum(dim=(0, 2))  # noqa: E731  (H, d_head)
     second = lambda x: torch.einsum("bhqd,bhqe->hde", x * r, x)  # noqa: E731  (H, d_head, d_head)
-    return OutputMoments(r.sum(), first(o), first(u), first(w), second(o), second(u), second(w))
+    x = (o * r).permute(0, 2, 1, 3).reshape(-1, o.shape[1] * o.shape[3])  # (B * c, H * d_head)
+    joint = x.t() @ x  # rows are weighted 0/1, so x^T x = sum over counted rows
+    return OutputMoments(r.sum(), first(o), first(u), first(w), second(o), second(u), second(w), joint)
 
 
 def _pair_sum(x: Tensor, w: Tensor) -> Tensor:

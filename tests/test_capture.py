@@ -144,3 +144,33 @@ def test_output_moments_match_the_attention_output():
     torch.testing.assert_close(mom.u + mom.w, mom.o, rtol=1e-12, atol=1e-12)
     xh = x[keep].view(-1, g.n_heads, g.head_dim)
     torch.testing.assert_close(mom.oo, torch.einsum("nhd,nhe->hde", xh, xh), rtol=1e-5, atol=1e-5)
+    flat = x[keep]
+    torch.testing.assert_close(mom.joint, flat.t() @ flat, rtol=1e-5, atol=1e-5)
+
+
+def test_cross_energy_is_the_exact_energy_of_pruning_sets():
+    """sum_{h,g in P} K[h, g] equals E||sum_{h in P} W_h (o_h - E o_h)||^2 measured directly."""
+    from pruner import arch
+    from pruner.calibrate import calibrate
+    from pruner.models import forward
+    from pruner.scoring import cross_energy, fluctuation_exact
+
+    model = tiny_model("gpt2")
+    batch = pad(ragged_batch(seed=6, n=5), 0)
+    inputs = calibrate(model, batch, SinkSpec("first"))
+    k = cross_energy(inputs)
+    torch.testing.assert_close(torch.diagonal(k, dim1=-2, dim2=-1), fluctuation_exact(inputs)["o"],
+                               rtol=1e-6, atol=1e-9)
+    inputs_seen = []
+    o_proj = arch.get(arch.blocks(model)[0], arch.adapter_for(model).o_proj)
+    handle = o_proj.register_forward_pre_hook(lambda m, args: inputs_seen.append(args[0].detach().double()))
+    with torch.no_grad():
+        forward(model, batch.input_ids, batch.attention_mask)
+    handle.remove()
+    x = inputs_seen[0][batch.attention_mask.bool()]  # (tokens, H * d_head)
+    P = [0, 2]
+    cols = torch.cat([torch.arange(h * 8, (h + 1) * 8) for h in P])
+    W = arch.o_weight_cols(model, 0).double()[:, cols]
+    dev = x[:, cols] - x[:, cols].mean(0)
+    direct = (dev @ W.t()).pow(2).sum(-1).mean()
+    assert k[0][P][:, P].sum().item() == pytest.approx(direct.item(), rel=1e-5)
