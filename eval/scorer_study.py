@@ -102,13 +102,8 @@ def variants() -> dict[str, Scorer]:
     def flap_w_plus_u(inp, alive, conv):
         return flap_of(inp, "w") + flap_of(inp, "u") * (1 - inp.stats.sink_mass)
 
-    from pruner.scoring import cross_energy
-    K = {}
-
     def joint(inp, alive, conv, weight=None):
-        if "k" not in K:
-            K["k"] = cross_energy(inp)
-        k = K["k"]
+        k = inp.cross
         pruned = (~alive).double()  # (L, H)
         marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
         return marginal if weight is None else marginal * weight(inp)

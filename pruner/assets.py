@@ -38,7 +38,7 @@ def checkpoint(name: str) -> Path:
     if name not in CHECKPOINTS:
         raise ValueError(f"unknown shipped checkpoint {name!r}; valid: {', '.join(CHECKPOINTS)}")
     path = MODELS / CHECKPOINTS[name]
-    if not (path / "config.json").exists():
+    if not (path / "reference.json").exists():  # written last by eval/train_reference.py
         raise FileNotFoundError(f"shipped checkpoint {name!r} is missing at {path}; "
                                 "re-create it with `python eval/train_reference.py`")
     return path

@@ -13,7 +13,7 @@ from pruner import arch
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
 from pruner.models import forward
-from pruner.scoring import ScoringInputs
+from pruner.scoring import ScoringInputs, cross_energy
 from pruner.sinks import SinkSpec
 
 
@@ -101,4 +101,4 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
     grad = gradient_importance(model, batch, progress=progress) if gradient else None
     return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
-                         gradient=grad, seed=seed, o_gram=layer_grams(model))
+                         gradient=grad, seed=seed, cross=cross_energy(stats.outputs, layer_grams(model)))

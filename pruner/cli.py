@@ -99,8 +99,8 @@ def _prune(args: argparse.Namespace) -> int:
         print(f"embedding fidelity (mean cosine to the unpruned model): {e['fidelity']:.4f}")
     sens = m.get("convention_sensitivity")
     if sens:
-        print(f"convention sensitivity: {sens['changed']} of {m['pruned_heads']} heads would change "
-              f"with the {sens['other']} convention")
+        print(f"convention sensitivity ({sens['scorer']} redundancy): {sens['changed']} of {m['pruned_heads']} "
+              f"selected heads change between the {sens['convention']} and {sens['other']} conventions")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md)")
     return 0
 

@@ -156,7 +156,11 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
     geom = arch.geometry(session.model)
     cfg = _selection_config(recipe)
     plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
+    sens_of = scorer.name if plan.convention else "cosine"
     sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
+    if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
+        naive = get_scorer(sens_of)
+        sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
     base = base_metrics(session, progress)
     model = session.model
     params_before = sum(p.numel() for p in model.parameters())
@@ -177,7 +181,7 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
         "params_after": sum(p.numel() for p in model.parameters()),
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
-        "convention_sensitivity": None if sens is None else asdict(sens),
+        "convention_sensitivity": {**asdict(sens), "scorer": sens_of},
         "seconds": round(time.time() - t0, 1),
     }
     return RunResult(plan, metrics, out, model, session.tokenizer)

@@ -128,9 +128,10 @@ def run_report(metrics: dict, plan_json: str) -> str:
              ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else [])), ""]
     sens = metrics.get("convention_sensitivity")
     if sens:
-        lines += [f"**Convention sensitivity**: with the {sens['other']} convention instead of "
-                  f"{sens['convention']}, {sens['changed']} of the {metrics['pruned_heads']} selected heads "
-                  f"would change (only here: {sens['only_this']}; only there: {sens['only_other']}).", ""]
+        lines += [f"**Convention sensitivity** (`{sens['scorer']}` redundancy plan at the same target): with "
+                  f"the {sens['other']} convention instead of {sens['convention']}, {sens['changed']} of the "
+                  f"{metrics['pruned_heads']} selected heads would change (only with {sens['convention']}: "
+                  f"{sens['only_this']}; only with {sens['other']}: {sens['only_other']}).", ""]
     lines += ["## Pruned heads", "", markdown_table(
         ["step", "layer", "head", "score", "sink mass", "nearest twin", "twin cosine"],
         [[x["step"], x["layer"], x["head"], f"{x['score']:.4g}", x["sink_mass"], x["twin"],

@@ -30,7 +30,7 @@ class ScoringInputs:
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
     seed: int = 0
-    o_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of the whole layer
+    cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
     return {k: torch.stack(v).clamp_min(0) for k, v in res.items()}
 
 
-def cross_energy(inputs: ScoringInputs) -> Tensor:
+def cross_energy(outputs: list, o_gram: Tensor) -> Tensor:
     """K[l, h, g] = E[(W_h (o_h - E o_h)) . (W_g (o_g - E o_g))]. (layer, head, head)
 
     The energy of pruning a set P of heads of a layer with mean compensation is
@@ -82,7 +82,7 @@ def cross_energy(inputs: ScoringInputs) -> Tensor:
     carry the same signal, so removing both costs more than the sum).
     """
     out = []
-    for m, gram in zip(inputs.stats.outputs, inputs.o_gram):
+    for m, gram in zip(outputs, o_gram):  # o_gram: (layer, H*d_head, H*d_head) W_O^T W_O
         mean = (m.o / m.tokens).reshape(-1)
         cov = m.joint / m.tokens - torch.outer(mean, mean)  # (D, D), D = H * d_head
         H = m.o.shape[0]
@@ -116,17 +116,30 @@ def _redundancy(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor
 
 
 def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor:
-    """Unique signal per head, from the exact two-channel split of its output.
+    """Unique signal per head: what pruning it would still change, weighted by its content share.
 
-    Importance = E||W_O,h (o_h - E o_h)||^2 x (1 - rho_h^2), rho_h = the head's
-    highest CONTENT cosine with a surviving head of its layer. The first factor is
-    exactly what survives mean compensation: the sink channel's constant part is
-    folded into the bias, the content channel and the row-to-row variation of s
-    remain. The second discounts content the layer still carries elsewhere.
+    Importance of head h in layer l, given the heads already pruned there (P):
+    (K[h, h] + 2 sum_{g in P} K[h, g]) x (1 - s_h), with K the cross energy.
+
+    - Mean compensation folds E[W_O,h o_h] -- mostly the sink channel, which
+      writes nearly the same vector for every query -- into the bias, so what
+      pruning costs is the energy of the deviation W_O,h (o_h - E o_h).
+    - Heads pruned from one layer interact: K's cross terms add the covariance of
+      their deviations, so two heads carrying the same signal (output-space
+      twins) cost more together and the greedy selection, which re-scores after
+      every removal, does not take both.
+    - (1 - s_h), the content share of the head's attention, discounts heads whose
+      deviation is mostly the sink channel's (s varying row to row along the
+      single direction of the sink's value) rather than content.
+    The choice is made with evidence (eval/scorer_study.py on a development
+    split): see the README's scorer section.
     """
-    f = fluctuation_exact(inputs)["o"]
-    rho = _max_similarity(inputs.stats.pairs[f"cosine/{convention}"], alive)
-    return f * (1 - rho ** 2)
+    if inputs.cross is None:
+        raise ValueError("the sink-aware scorer needs the cross energy (pruner.calibrate computes it)")
+    k = inputs.cross
+    pruned = (~alive).to(k.dtype)
+    marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
+    return marginal * (1 - inputs.stats.sink_mass)
 
 
 def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
@@ -150,8 +163,8 @@ def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
 
 
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
-    Scorer("sink-aware", _sink_aware, adaptive=True, convention=cp.CONTENT,
-           doc="unique signal: output fluctuation after mean compensation x (1 - content redundancy^2)"),
+    Scorer("sink-aware", _sink_aware, adaptive=True,
+           doc="energy left after mean compensation (joint within a layer) x content share (1 - s)"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
            doc="greedy redundancy on full rows (sink included): the naive baseline"),
     Scorer("content-cosine", _redundancy, adaptive=True, convention=cp.CONTENT,

@@ -153,12 +153,12 @@ def test_cross_energy_is_the_exact_energy_of_pruning_sets():
     from pruner import arch
     from pruner.calibrate import calibrate
     from pruner.models import forward
-    from pruner.scoring import cross_energy, fluctuation_exact
+    from pruner.scoring import fluctuation_exact
 
     model = tiny_model("gpt2")
     batch = pad(ragged_batch(seed=6, n=5), 0)
     inputs = calibrate(model, batch, SinkSpec("first"))
-    k = cross_energy(inputs)
+    k = inputs.cross
     torch.testing.assert_close(torch.diagonal(k, dim1=-2, dim2=-1), fluctuation_exact(inputs)["o"],
                                rtol=1e-6, atol=1e-9)
     inputs_seen = []
