@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pruner import assets  # noqa: E402
-from pruner.data import TextSource, line_samples, load_texts, token_windows  # noqa: E402
+from pruner.data import TextSource, TokenBatch, line_samples, load_texts, token_windows  # noqa: E402
+from pruner.eager import eager_sink_mass  # noqa: E402
 
 SETTINGS = Path(__file__).with_name("reference.yaml")
 SINK_FROM_QUERY = 16  # sink mass is measured at query positions >= this
@@ -135,20 +136,11 @@ def perplexity(model, ids: torch.Tensor, batch_size: int = 16) -> float:
     return math.exp(nll / count)
 
 
-@torch.no_grad()
 def sink_table(model, ids: torch.Tensor, batch_size: int = 8) -> list[list[float]]:
-    """Mean attention to position 0 at query positions >= 16. Returns (layer, head) lists."""
-    model.eval()
-    model.set_attn_implementation("eager")
-    total = None
-    for i in range(0, len(ids), batch_size):
-        x = ids[i:i + batch_size]
-        maps = model(input_ids=x, output_attentions=True).attentions  # layer x (B, H, T, T)
-        part = torch.stack([a[:, :, SINK_FROM_QUERY:, 0].float().sum(dim=(0, 2)) for a in maps])
-        total = part if total is None else total + part
-    model.set_attn_implementation("sdpa")
-    n_rows = len(ids) * (ids.shape[1] - SINK_FROM_QUERY)
-    return (total / n_rows).tolist()
+    """Mean attention to position 0 at query positions >= 16 (eager maps). Returns (layer, head) lists."""
+    batch = TokenBatch(ids, torch.ones_like(ids))
+    return eager_sink_mass(model, batch, sink_ids=None, from_query=SINK_FROM_QUERY,
+                           batch_size=batch_size).tolist()
 
 
 def sink_summary(table: list[list[float]]) -> dict:
