@@ -60,7 +60,17 @@ def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
 
 
-def gradient_importance(model, batch: TokenBatch, progress: bool = False) -> torch.Tensor:
+def mlm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer,
+             generator: torch.Generator):
+    """Masked-LM loss with seeded BERT masking (encoders: the gradient scorer's loss)."""
+    from pruner.models import mask_tokens
+
+    x, labels = mask_tokens(input_ids, attention_mask, tokenizer, 0.15, generator)
+    logits = forward(model, x, attention_mask).logits
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
+
+
+def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=lm_loss) -> torch.Tensor:
     """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
 
     One example (window) per backward pass, so the absolute value is taken per
@@ -81,7 +91,7 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False) -> tor
         it = range(len(batch))
         for i in (tqdm(it, desc="gradient", unit="window") if progress else it):
             xi.grad = None
-            loss = lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
+            loss = loss_fn(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
             loss.backward()
             total += xi.grad.detach().abs().double()
         model.zero_grad(set_to_none=True)
@@ -98,7 +108,18 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     """Everything the scorers need, from one capture pass (and one gradient pass if asked)."""
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
+    from pruner.models import attends_causally
+
     stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
-    grad = gradient_importance(model, batch, progress=progress) if gradient else None
+    grad = None
+    if gradient:
+        if attends_causally(model):
+            loss_fn = lm_loss
+        elif hasattr(model, "cls") or hasattr(model, "lm_head"):
+            g = torch.Generator().manual_seed(seed)  # one stream over the examples: deterministic
+            loss_fn = lambda m, ids, mask: mlm_loss(m, ids, mask, tokenizer, g)  # noqa: E731
+        else:
+            raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+        grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn)
     return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
                          gradient=grad, seed=seed, cross=cross_energy(stats.outputs, layer_grams(model)))

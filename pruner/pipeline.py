@@ -82,7 +82,7 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> S
     if "cosine" not in cfg.metrics:
         cfg = CaptureConfig(cfg.chunk_size, ("cosine",) + cfg.metrics, outputs=True)
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
-                     gradient=gradient and session.causal, config=cfg, batch_size=r.calibration.batch_size,
+                     gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress)
 
 

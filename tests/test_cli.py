@@ -76,3 +76,15 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert main(["prune", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pruner: error:") and "does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-shakespeare", "llama-shakespeare", "minilm-encoder"])
+def test_compare_works_on_every_offline_recipe(tmp_path, recipe):
+    out = tmp_path / recipe
+    rc = main(["compare", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
+               "--scorers", "sink-aware,fluctuation,gradient", "--sparsities", "0.25"] + QUICK)
+    assert rc == 0
+    records = json.loads((out / "compare.json").read_text())
+    assert len(records) == 6 and all(r["pruned_heads"] > 0 for r in records)
+    if recipe == "minilm-encoder":
+        assert all(0 < r["fidelity"] <= 1 for r in records)

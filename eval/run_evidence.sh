@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Reproduce the compare tables quoted in the README and the issues' closing notes.
+# Each run: every scorer x {10, 25, 40, 50}% x {zero, mean}, one calibration pass,
+# the same evaluation windows. Writes runs/compare-*/ (json, csv, md, png).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+for recipe in quickstart gpt2-shakespeare llama-shakespeare minilm-encoder; do
+  pruner compare "recipes/$recipe.yaml" --out "runs/compare-$recipe" --overwrite --set "capture.metrics=[cosine]"
+done
+python eval/reference_plans.py gpt2-shakespeare llama-shakespeare --target 0.25 | tee runs/reference-plans.md
