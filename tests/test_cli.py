@@ -88,3 +88,24 @@ def test_compare_works_on_every_offline_recipe(tmp_path, recipe):
     assert len(records) == 6 and all(r["pruned_heads"] > 0 for r in records)
     if recipe == "minilm-encoder":
         assert all(0 < r["fidelity"] <= 1 for r in records)
+
+
+def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
+    """Per-layer budget + GQA-equal removal: the smaller model is a vanilla Llama checkpoint whose
+    perplexity on the evaluation windows is the one measured with the scoped mask."""
+    from transformers import AutoModelForCausalLM
+
+    from pruner import models
+    from pruner.evaluate import perplexity, sliding_windows, window_nll
+    from pruner.data import TextSource, load_texts
+
+    out = tmp_path / "llama"
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + QUICK) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["params_after"] < metrics["params_before"]
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert model.config.num_attention_heads == 6 and model.config.num_key_value_heads == 2
+    tok = models.load_tokenizer(str(out / "model"))
+    windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 128, max_windows=8)
+    ppl = perplexity(*window_nll(model, windows))
+    assert ppl == pytest.approx(metrics["evaluation"]["pruned"], rel=1e-4)
