@@ -163,13 +163,21 @@ def print_table(name: str, table: list[list[float]]) -> None:
 def save_half(model, tokenizer, out: Path, report: dict) -> None:
     """Half-precision weights, float32 in the config: vanilla loading gives float32."""
     model = model.to(torch.float16)
-    model.config.dtype = torch.float32
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     model.to(torch.float32)
+    mark_float32(out)
     (out / "reference.json").write_text(json.dumps(report, indent=1))
     print(f"saved {out}")
+
+
+def mark_float32(folder: Path) -> None:
+    """Set config.json's dtype to float32: `from_pretrained` (dtype "auto") then upcasts the
+    half-precision weights. save_pretrained writes the weights' dtype there, so it is set after."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------- training
@@ -390,6 +398,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.stages[0] == "sinks":
         return measure(args.stages[1:])
+    if args.stages[0] == "mark-float32":  # checkpoints saved before save_half set the dtype itself
+        for name in args.stages[1:]:
+            mark_float32(assets.checkpoint(name))
+        return None
     settings = yaml.safe_load(SETTINGS.read_text())
     torch.set_num_threads(settings["threads"])
     out_root = ROOT / settings["out"]

@@ -70,44 +70,13 @@ def test_minilm_causal_has_real_sinks():
 
 
 def test_minilm_readout_gives_a_real_masked_lm(minilm_tokenizer):
-    model = models.load_minilm_mlm()
-    enc = minilm_tokenizer(["To be, or not to be, that is the [MASK]."], return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**enc).logits
-    pos = (enc.input_ids[0] == minilm_tokenizer.mask_token_id).nonzero().item()
-    top = minilm_tokenizer.convert_ids_to_tokens(logits[0, pos].topk(20).indices.tolist())
-    assert {"question", "point", "way", "matter", "end", "truth", "answer", "thing"} & set(top), top
+    """The shipped readout turns the frozen encoder into a masked LM far better than chance or
+    than an untrained readout (its reference.json reports the full evaluation number)."""
+    from pruner.evaluate import masked_lines, perplexity, window_nll
 
-
-@pytest.mark.parametrize("name", ["gpt2-shakespeare", "llama-shakespeare", "minilm-causal"])
-def test_surgery_on_reference_decoders(name):
-    """mask == remove with mean compensation, exact parameter drop, generation with a KV cache."""
-    from pruner import arch, surgery
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.models import forward
-
-    tok = models.load_tokenizer(name)
-    batch = token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 32, num_samples=4, seed=0)
-    ref = models.load_model(name)
-    g = arch.geometry(ref)
-    heads = {1: [0, 4], 2: [g.n_heads - 1, g.n_heads // 2 - 1]} if g.group_size > 1 else {1: [0, 3], 2: [1]}
-    outputs = capture_stats(ref, batch, SinkSpec("first"), tok, CaptureConfig(metrics=(), outputs=True)).outputs
-    bias = surgery.compensation_bias(ref, heads, outputs)
-    with torch.no_grad():
-        with surgery.masked(ref, heads, bias):
-            expected = forward(ref, batch.input_ids, batch.attention_mask).logits
-        empty = forward(ref, batch.input_ids, batch.attention_mask).logits
-        with surgery.masked(ref, {}):
-            assert torch.equal(forward(ref, batch.input_ids, batch.attention_mask).logits, empty)
-    removed = models.load_model(name)
-    n0 = sum(p.numel() for p in removed.parameters())
-    surgery.remove_heads(removed, heads, bias)
-    with torch.no_grad():
-        got = forward(removed, batch.input_ids, batch.attention_mask).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-    assert sum(p.numel() for p in removed.parameters()) < n0
-    ids = batch.input_ids[:1, :8]
-    with torch.no_grad():
-        a = removed.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
-        b = removed.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, pad_token_id=0)
-    assert torch.equal(a, b) and a.shape[1] == 14
+    lines = masked_lines(minilm_tokenizer, load_texts(TextSource("shakespeare:evaluation")), 48,
+                         num_samples=64, seed=0)
+    trained = perplexity(*window_nll(models.load_minilm_mlm(), lines, causal=False))
+    torch.manual_seed(0)
+    fresh = perplexity(*window_nll(models.load_minilm_mlm(readout=None), lines, causal=False))
+    assert trained < 1500 and trained < fresh / 10, (trained, fresh)
