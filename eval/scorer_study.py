@@ -109,6 +109,9 @@ def variants() -> dict[str, Scorer]:
         return marginal if weight is None else marginal * weight(inp)
 
     return {
+        "joint-x-(1-s)/resid": Scorer("joint-x-(1-s)/resid", lambda i, a, c: joint(
+            i, a, c, lambda x: (1 - x.stats.sink_mass) / RESID[:, None]), adaptive=True),
+        "flap/resid": Scorer("flap/resid", lambda i, a, c: SCORERS["fluctuation"](i, a) / RESID[:, None]),
         "joint": Scorer("joint", joint, adaptive=True),
         "joint-x-(1-s)": Scorer("joint-x-(1-s)", lambda i, a, c: joint(i, a, c, lambda x: 1 - x.stats.sink_mass),
                                 adaptive=True),
