@@ -80,12 +80,12 @@ def _prune(args: argparse.Namespace) -> int:
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
         result = pipeline.run(recipe, out)
+        pipeline.save_model(result, tmp / "model")
         plan_json = result.plan.to_json()
         (tmp / "plan.json").write_text(plan_json + "\n")
         (tmp / "metrics.json").write_text(json.dumps(pipeline.to_jsonable(result.metrics), indent=1) + "\n")
         (tmp / "recipe.yaml").write_text(recipe.to_yaml())
         (tmp / "report.md").write_text(report.run_report(result.metrics, plan_json))
-        pipeline.save_model(result, tmp / "model")
         commit()
     except BaseException:
         abort()
@@ -101,6 +101,8 @@ def _prune(args: argparse.Namespace) -> int:
     if sens:
         print(f"convention sensitivity ({sens['scorer']} redundancy): {sens['changed']} of {m['pruned_heads']} "
               f"selected heads change between the {sens['convention']} and {sens['other']} conventions")
+    if not m["model_saved"]:
+        print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md)")
     return 0
 

@@ -187,23 +187,37 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
     return RunResult(plan, metrics, out, model, session.tokenizer)
 
 
+def inexpressible(model, removed: bool) -> str | None:
+    """Why a vanilla config cannot describe this pruned model, or None when it can."""
+    if getattr(model, "_pruner_bias_not_in_config", False):
+        return "its output projection needed a bias that this architecture's config cannot declare"
+    if not removed:
+        return None
+    counts = {len(v) for v in surgery.kept_heads(model).values()}
+    if len(counts) != 1 or getattr(model.config, "head_dim", None) is None:
+        return "its head counts differ between layers or its config has no explicit head_dim"
+    try:  # transformers validates configs on save (e.g. hidden_size % num_attention_heads)
+        type(model.config).from_dict(model.config.to_dict())
+    except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
+        return f"transformers rejects its config: {str(e).splitlines()[-1].strip()}"
+    return None
+
+
 def save_model(result: RunResult, folder: Path) -> None:
     """Save the pruned model where vanilla `from_pretrained` can load it, or say why not."""
     model = result.model
-    counts = {len(v) for v in surgery.kept_heads(model).values()}
-    removed = result.metrics["surgery"] == "remove"
-    expressible = not getattr(model, "_pruner_bias_not_in_config", False) and (
-        not removed or (len(counts) == 1 and getattr(model.config, "head_dim", None) is not None))
-    if not expressible:
-        folder.mkdir(parents=True, exist_ok=True)
+    reason = inexpressible(model, result.metrics["surgery"] == "remove")
+    folder.mkdir(parents=True, exist_ok=True)
+    if reason is not None:
         (folder / "NOT_SAVED.txt").write_text(
-            "This pruned model cannot be saved as a vanilla transformers checkpoint: "
-            + ("its head counts differ between layers or its config has no explicit head_dim"
-               if removed else "its output projection needed a bias the config cannot declare")
-            + ". Re-run with surgery.mode: mask (dense, loads anywhere).\n")
+            f"This pruned model cannot be saved as a vanilla transformers checkpoint: {reason}.\n"
+            "Re-run with surgery.mode: mask (dense: pruned heads zeroed, shapes kept; loads anywhere).\n")
+        result.metrics["model_saved"] = False
+        result.metrics["model_not_saved_because"] = reason
         return
     model.save_pretrained(folder)
     result.tokenizer.save_pretrained(folder)
+    result.metrics["model_saved"] = True
 
 
 def to_jsonable(x):

@@ -100,12 +100,24 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
     from pruner.data import TextSource, load_texts
 
     out = tmp_path / "llama"
-    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + QUICK) == 0
+    half = QUICK + ["--set", "selection.target=0.5"]  # 4 of 8 heads per layer: 256 / 4 divides
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + half) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["params_after"] < metrics["params_before"]
+    assert metrics["params_after"] < metrics["params_before"] and metrics["model_saved"]
     model = AutoModelForCausalLM.from_pretrained(out / "model")
-    assert model.config.num_attention_heads == 6 and model.config.num_key_value_heads == 2
+    assert model.config.num_attention_heads == 4 and model.config.num_key_value_heads == 2
     tok = models.load_tokenizer(str(out / "model"))
     windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 128, max_windows=8)
     ppl = perplexity(*window_nll(model, windows))
     assert ppl == pytest.approx(metrics["evaluation"]["pruned"], rel=1e-4)
+
+
+def test_prune_remove_says_why_a_compact_model_cannot_be_saved(tmp_path, capsys):
+    """6 of 8 heads per layer: transformers' Llama config requires hidden_size % heads == 0."""
+    out = tmp_path / "llama6"
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + QUICK) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["model_saved"] is False and "not a multiple" in metrics["model_not_saved_because"]
+    assert "surgery.mode: mask" in (out / "model" / "NOT_SAVED.txt").read_text()
+    assert not (out / "model" / "config.json").exists()
+    assert "model not saved" in capsys.readouterr().out
