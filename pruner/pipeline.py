@@ -21,7 +21,7 @@ from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, pa
                              sliding_windows, window_nll)
 from pruner.recipe import Recipe
 from pruner.scoring import ScoringInputs, get_scorer
-from pruner.selection import Plan, SelectionConfig, convention_sensitivity, select
+from pruner.selection import Plan, SelectionConfig, SelectionError, convention_sensitivity, select
 from pruner.sinks import SinkSpec, default_spec
 
 
@@ -127,7 +127,12 @@ def compare(recipe: Recipe, scorers: list[str], sparsities: list[float], compens
     jobs = [(s, p) for s in scorers for p in sparsities]
     for name, target in (tqdm(jobs, desc="compare", unit="plan") if progress else jobs):
         scorer = get_scorer(name)
-        plan = select(scorer, inputs, geom, _selection_config(recipe, target))
+        try:
+            plan = select(scorer, inputs, geom, _selection_config(recipe, target))
+        except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
+            records += [{"scorer": name, "sparsity": target, "compensation": c, "error": str(e)}
+                        for c in compensations]
+            continue
         for comp in compensations:
             bias = surgery.compensation_bias(session.model, plan.heads, inputs.stats.outputs) \
                 if comp == "mean" else None

@@ -33,10 +33,16 @@ def compare_table(records: list[dict]) -> str:
         for c in comps:
             for s in sparsities:
                 r = cell.get((name, s, c))
-                row.append("" if r is None else f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]")
+                if r is None or "error" in r:
+                    row.append("n/a")
+                else:
+                    row.append(f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]")
         rows.append(row)
-    base = records[0]["base"] if records else float("nan")
-    return f"base perplexity {base:.2f}; cells: perplexity change [95% CI]\n\n" + markdown_table(header, rows)
+    ok = [r for r in records if "error" not in r]
+    base = ok[0]["base"] if ok else float("nan")
+    notes = sorted({f"- n/a at {r['sparsity']:g}: {r['error']}" for r in records if "error" in r})
+    return (f"base perplexity {base:.2f}; cells: perplexity change [95% CI]\n\n" + markdown_table(header, rows)
+            + ("\n\n" + "\n".join(notes) if notes else ""))
 
 
 def plot_compare(records: list[dict], path: Path, title: str) -> None:
@@ -49,8 +55,8 @@ def plot_compare(records: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(comps), figsize=(6 * len(comps), 4.2), squeeze=False, sharey=True)
     for ax, comp in zip(axes[0], comps):
         for name in dict.fromkeys(r["scorer"] for r in records):
-            rs = sorted((r for r in records if r["scorer"] == name and r["compensation"] == comp),
-                        key=lambda r: r["sparsity"])
+            rs = sorted((r for r in records if r["scorer"] == name and r["compensation"] == comp
+                         and "error" not in r), key=lambda r: r["sparsity"])
             x = [100 * r["sparsity"] if r["sparsity"] < 1 else r["sparsity"] for r in rs]
             line, = ax.plot(x, [r["delta"] for r in rs], marker="o", label=name,
                             lw=2.5 if name == "sink-aware" else 1.2)
@@ -97,7 +103,7 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
             "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
-    w.writerows(records)
+    w.writerows(r for r in records if "error" not in r)
     (folder / "compare.csv").write_text(buf.getvalue())
     table = compare_table(records)
     title = f"{recipe.model.path}: perplexity change vs heads pruned"

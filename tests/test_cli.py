@@ -121,3 +121,15 @@ def test_prune_remove_says_why_a_compact_model_cannot_be_saved(tmp_path, capsys)
     assert "surgery.mode: mask" in (out / "model" / "NOT_SAVED.txt").read_text()
     assert not (out / "model" / "config.json").exists()
     assert "model not saved" in capsys.readouterr().out
+
+
+def test_compare_reports_infeasible_sparsities_and_goes_on(tmp_path, capsys):
+    """A per-layer budget of 0-1 heads cannot hold a GQA unit of 2 (one per KV group): n/a, not a crash."""
+    out = tmp_path / "gqa"
+    rc = main(["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out),
+               "--scorers", "fluctuation", "--sparsities", "0.1,0.25", "--compensation", "mean"] + QUICK)
+    assert rc == 0
+    records = json.loads((out / "compare.json").read_text())
+    assert "error" in records[0] and records[0]["sparsity"] == 0.1
+    assert records[1]["pruned_heads"] == 8
+    assert "n/a" in capsys.readouterr().out
