@@ -14,6 +14,7 @@ restored on exit, whatever happens inside.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,8 @@ class Capture:
         self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # mask2d, sink, rows
         self._saved_impl: str | None = None
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
+        self._residual: torch.Tensor | None = None  # (layer,) sums of ||h||^2 over real tokens
+        self._tokens = 0
 
     def __enter__(self) -> "Capture":
         global _ACTIVE
@@ -127,9 +130,14 @@ class Capture:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
-                forward(self.model, ids, mask2d)
+                hidden = forward(self.model, ids, mask2d, output_hidden_states=True).hidden_states
             finally:
                 self._batch = None
+            if self.config.outputs:  # the residual stream each layer's heads write into
+                keep = mask2d.bool()
+                sq = torch.stack([h[keep].double().pow(2).sum() for h in hidden[:-1]]).cpu()
+                self._residual = sq if self._residual is None else self._residual + sq
+                self._tokens += int(keep.sum())
 
     def _observe(self, module, query, key, value, mask, scaling) -> None:
         if self._batch is None:
@@ -191,7 +199,10 @@ class Capture:
     def result(self) -> st.HeadStats:
         if not self.layers:
             raise ValueError("nothing captured: run at least one batch")
-        return st.finalize([self.layers[i] for i in sorted(self.layers)])
+        stats = st.finalize([self.layers[i] for i in sorted(self.layers)])
+        if self._residual is not None:
+            stats = dataclasses.replace(stats, residual=self._residual / self._tokens)
+        return stats
 
 
 def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.3,

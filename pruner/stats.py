@@ -223,6 +223,7 @@ class HeadStats:
     excluded_rows: Tensor     # (layer,) rows with < 2 content keys
     pairs: dict[str, Tensor]
     outputs: list[OutputMoments] | None = None  # per layer, sums (see OutputMoments)
+    residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
 
 
 def finalize(layers: list[LayerStats]) -> HeadStats:

@@ -174,3 +174,17 @@ def test_cross_energy_is_the_exact_energy_of_pruning_sets():
     dev = x[:, cols] - x[:, cols].mean(0)
     direct = (dev @ W.t()).pow(2).sum(-1).mean()
     assert k[0][P][:, P].sum().item() == pytest.approx(direct.item(), rel=1e-5)
+
+
+def test_residual_energy_is_the_mean_squared_stream_norm():
+    from pruner.models import forward
+
+    model = tiny_model("llama")
+    batch = pad(ragged_batch(seed=11, n=4), 0)
+    stats = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True),
+                          batch_size=3)
+    with torch.no_grad():
+        hs = forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True).hidden_states
+    keep = batch.attention_mask.bool()
+    expected = torch.stack([h[keep].double().pow(2).sum(-1).mean() for h in hs[:-1]])
+    torch.testing.assert_close(stats.residual, expected, rtol=1e-6, atol=1e-9)
