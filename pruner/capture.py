@@ -130,12 +130,12 @@ class Capture:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
-                hidden = forward(self.model, ids, mask2d, output_hidden_states=True).hidden_states
+                out = forward(self.model, ids, mask2d, output_hidden_states=self.config.outputs)
             finally:
                 self._batch = None
             if self.config.outputs:  # the residual stream each layer's heads write into
                 keep = mask2d.bool()
-                sq = torch.stack([h[keep].double().pow(2).sum() for h in hidden[:-1]]).cpu()
+                sq = torch.stack([h[keep].double().pow(2).sum() for h in out.hidden_states[:-1]]).cpu()
                 self._residual = sq if self._residual is None else self._residual + sq
                 self._tokens += int(keep.sum())
 
