@@ -5,6 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for recipe in quickstart gpt2-shakespeare llama-shakespeare minilm-encoder; do
-  pruner compare "recipes/$recipe.yaml" --out "runs/compare-$recipe" --overwrite --set "capture.metrics=[cosine]"
+  extra=()
+  # the llama recipe's per-layer budget is for compact saving; compare it with a global one
+  [ "$recipe" = llama-shakespeare ] && extra=(--set selection.budget=global)
+  pruner compare "recipes/$recipe.yaml" --out "runs/compare-$recipe" --overwrite \
+    --set "capture.metrics=[cosine]" "${extra[@]}"
 done
 python eval/reference_plans.py gpt2-shakespeare llama-shakespeare --target 0.25 | tee runs/reference-plans.md
