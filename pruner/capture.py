@@ -67,7 +67,7 @@ def _register() -> None:
 
 
 def valid_keys(mask: torch.Tensor | None, attention_mask_2d: torch.Tensor, q0: int, q1: int,
-               causal: bool, dtype: torch.dtype) -> torch.Tensor:
+               causal: bool) -> torch.Tensor:
     """Keys each query of rows [q0, q1) may see, as bool (B, 1, c, K).
 
     Uses the mask the model built (bool: True = attend; float: 0 = attend), or,
@@ -154,7 +154,7 @@ class Capture:
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
             z = (query[:, :, q0:q1] @ key.transpose(-1, -2)) * scale  # (B, H, c, K)
-            valid = valid_keys(mask, mask2d, q0, q1, causal, z.dtype)
+            valid = valid_keys(mask, mask2d, q0, q1, causal)
             if self.sinks.mode == "auto":
                 self._receive(z, valid, rows[:, q0:q1])
                 continue

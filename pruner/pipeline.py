@@ -78,9 +78,8 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
 
 def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> ScoringInputs:
     r = session.recipe
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=tuple(r.capture.metrics), outputs=True)
-    if "cosine" not in cfg.metrics:
-        cfg = CaptureConfig(cfg.chunk_size, ("cosine",) + cfg.metrics, outputs=True)
+    metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress)
