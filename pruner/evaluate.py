@@ -89,18 +89,32 @@ def masked_lines(tokenizer, texts: list[str], max_length: int, *, num_samples: i
 @torch.no_grad()
 def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
                causal: bool = True):
-    """Per-window summed NLL and target count: (window,) float64 and (window,) int.
+    """Per-window summed NLL and target count: (window,) float64 and (window,) int."""
+    nll, count, _ = window_scores(model, windows, batch_size, progress, causal)
+    return nll, count
+
+
+@torch.no_grad()
+def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
+                  causal: bool = True, pool: bool = False):
+    """Per-window NLL sums, target counts and, with `pool`, pooled embeddings — one forward pass.
 
     Causal LMs predict token t+1 at position t; masked LMs predict each labelled
-    position itself.
+    position itself. Embeddings are the mean of the last hidden states over real
+    tokens (sentence-transformers' pooling). Returns (window,) float64, (window,)
+    int, and (window, d) or None.
     """
     model.eval()
-    nll, count = [], []
+    nll, count, emb = [], [], []
     it = range(0, len(windows), batch_size)
     for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
         ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
         lab = windows.labels[i:i + batch_size]
-        logits = forward(model, ids, mask).logits.float()
+        out = forward(model, ids, mask, output_hidden_states=pool)
+        if pool:
+            h, m = out.hidden_states[-1].float(), mask[..., None].float()
+            emb.append((h * m).sum(1) / m.sum(1))
+        logits = out.logits.float()
         if causal:
             logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
         else:
@@ -110,7 +124,7 @@ def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool 
         on = target != -100
         nll.append((tok * on).sum(-1).double())
         count.append(on.sum(-1))
-    return torch.cat(nll), torch.cat(count)
+    return torch.cat(nll), torch.cat(count), (torch.cat(emb) if pool else None)
 
 
 def perplexity(nll: torch.Tensor, count: torch.Tensor) -> float:
@@ -143,18 +157,6 @@ def paired_delta(base: tuple[torch.Tensor, torch.Tensor], pruned: tuple[torch.Te
     lo, hi = torch.quantile(boot, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
     pb, pp = perplexity(nb, c), perplexity(np_, c)
     return PairedDelta(pb, pp, pp - pb, lo.item(), hi.item(), len(c), int(c.sum()))
-
-
-@torch.no_grad()
-def pooled_embeddings(model, windows: EvalWindows, batch_size: int = 32) -> torch.Tensor:
-    """Mean-pooled last hidden states over real tokens (sentence-transformers' pooling). (sample, d)"""
-    out = []
-    for i in range(0, len(windows), batch_size):
-        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
-        h = forward(model, ids, mask, output_hidden_states=True).hidden_states[-1].float()
-        m = mask[..., None].float()
-        out.append((h * m).sum(1) / m.sum(1))
-    return torch.cat(out)
 
 
 def fidelity(base: torch.Tensor, pruned: torch.Tensor) -> float:

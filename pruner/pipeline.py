@@ -17,8 +17,8 @@ import torch
 from pruner import arch, data, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
-from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, pooled_embeddings,
-                             sliding_windows, window_nll)
+from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
+                             window_scores)
 from pruner.recipe import Recipe
 from pruner.scoring import ScoringInputs, get_scorer
 from pruner.selection import Plan, SelectionConfig, SelectionError, convention_sensitivity, select
@@ -95,9 +95,9 @@ def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], bias, base
     """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows."""
     ev = session.recipe.evaluation
     with surgery.masked(session.model, plan_heads, bias):
-        nll = window_nll(session.model, session.evaluation, ev.batch_size, causal=session.causal)
-        emb = None if session.causal else pooled_embeddings(session.model, session.evaluation)
-    d = paired_delta(base["nll"], nll, n_boot=max(ev.bootstrap, 1), seed=ev.seed)
+        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size,
+                                        causal=session.causal, pool=not session.causal)
+    d = paired_delta(base["nll"], (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
     out = asdict(d)
     if emb is not None:
         out["fidelity"] = fidelity(base["emb"], emb)
@@ -106,9 +106,9 @@ def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], bias, base
 
 def base_metrics(session: Session, progress: bool = True) -> dict:
     ev = session.recipe.evaluation
-    nll = window_nll(session.model, session.evaluation, ev.batch_size, progress=progress, causal=session.causal)
-    emb = None if session.causal else pooled_embeddings(session.model, session.evaluation)
-    return {"nll": nll, "emb": emb}
+    nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
+                                    causal=session.causal, pool=not session.causal)
+    return {"nll": (nll, count), "emb": emb}
 
 
 def compare(recipe: Recipe, scorers: list[str], sparsities: list[float], compensations: list[str],
