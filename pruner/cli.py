@@ -15,7 +15,11 @@ def _parse_sinks(text: str | None, causal: bool):
     if text is None:
         return default_spec(causal)
     mode, _, values = text.partition(":")
-    nums = tuple(int(v) for v in values.split(",") if v.strip()) if values else ()
+    try:
+        nums = tuple(int(v) for v in values.split(",") if v.strip()) if values else ()
+    except ValueError:
+        raise ValueError(f"invalid sink spec {text!r}: values must be whole numbers, e.g. ids:101,102 "
+                         "or positions:0,1") from None
     if mode == "ids":
         return SinkSpec("ids", ids=nums)
     if mode == "positions":
@@ -31,6 +35,7 @@ def _sinks(args: argparse.Namespace) -> int:
     from pruner import audit, data, models
     from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
     from pruner.eager import format_table
+    from pruner.sinks import check_content
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,6 +53,7 @@ def _sinks(args: argparse.Namespace) -> int:
     if spec.mode == "auto":
         spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    check_content(batch.input_ids, batch.attention_mask, spec, tok)
     st = capture_stats(model, batch, spec, tok, CaptureConfig(metrics=("cosine",)),
                        batch_size=args.batch_size, progress=True)
     print(f"\n{args.model}: sink mass per layer x head (sinks: {spec.mode}; {len(batch)} {unit} "
@@ -107,8 +113,18 @@ def _prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+def _targets(text: str) -> list[float]:
+    """`0.1,0.25,8` -> fractions in (0, 1) and whole head counts, as the recipe's selection.target."""
+    from pruner.recipe import SelectionSpec
+
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = int(x) if x.lstrip("+").isdigit() else float(x)
+            out.append(SelectionSpec(target=value).target)
+        except Exception:  # noqa: BLE001 - pydantic/ValueError: one message for every bad value
+            raise ValueError(f"--sparsities: {x!r} is neither a fraction in (0, 1) nor a whole head count") from None
+    return out
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -128,7 +144,7 @@ def _compare(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
-        records = pipeline.compare(recipe, scorers, _floats(args.sparsities), comps)
+        records = pipeline.compare(recipe, scorers, _targets(args.sparsities), comps)
         table = report.write_compare(records, recipe, tmp)
         commit()
     except BaseException:
@@ -143,9 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pruner", description="Sink-aware attention-head pruning for Hugging Face checkpoints.")
     ap.add_argument("--version", action="version", version=f"pruner {__version__}")
+    ap.add_argument("--debug", action="store_true", help="show full tracebacks instead of one-line errors")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)  # `--debug` also after the command name
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
-    sp = sub.add_parser("sinks", help="layer x head table of attention-sink mass",
+    sp = sub.add_parser("sinks", parents=[common], help="layer x head table of attention-sink mass",
                         description="How much attention each head puts on the sink (default: first token "
                                     "for decoders, [CLS]/[SEP] for encoders), and whether heads' nearest "
                                     "neighbours survive removing the sink. Streaming capture: no T x T maps.")
@@ -172,12 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a recipe key, e.g. --set selection.target=0.4 (repeatable)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
-    pp = sub.add_parser("prune", help="calibrate, score, select, prune, evaluate, save",
+    pp = sub.add_parser("prune", parents=[common], help="calibrate, score, select, prune, evaluate, save",
                         description="Prune attention heads as a recipe says, and measure the damage.")
     recipe_args(pp)
     pp.set_defaults(func=_prune)
 
-    cp = sub.add_parser("compare", help="every scorer x sparsity x compensation on the same windows",
+    cp = sub.add_parser("compare", parents=[common],
+                        help="every scorer x sparsity x compensation on the same windows",
                         description="Compare scorers on one calibration pass and the same evaluation windows.")
     recipe_args(cp)
     cp.add_argument("--scorers", help="comma-separated scorer names (default: all)")
@@ -187,7 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 2 bad input (one-line message), 1 unexpected failure, 130 interrupted.
+
+    Tracebacks are for developers: `--debug` shows them, everyone else gets one line.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -195,9 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"pruner: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("pruner: interrupted; no output folder was written", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # bad input: files, recipes, data, models, Hub (FileNotFoundError is an OSError)
+        if args.debug:
+            raise
+        print(f"pruner: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a bug or an environment problem: still one line without --debug
+        if args.debug:
+            raise
+        print(f"pruner: error: unexpected {type(e).__name__}: {_one_line(e)} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -84,10 +84,32 @@ def resolve(name_or_path: str) -> str:
     return name_or_path  # a Hub id: transformers fetches it (needs the network)
 
 
+def _from_hub(load, name_or_path: str, what: str):
+    """Call `load(path)`; a Hub id that cannot be fetched becomes one clear OSError."""
+    path = resolve(name_or_path)
+    try:
+        return load(path)
+    except OSError as e:
+        if path != name_or_path or Path(path).exists():
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"cannot load the {what} {name_or_path!r}: it is not a shipped checkpoint "
+                      f"({', '.join(['minilm', *assets.CHECKPOINTS])}) or a local folder, and the Hugging Face "
+                      f"Hub did not provide it ({first}); check the id, the network and HF_TOKEN") from None
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve(name_or_path))
+    return _from_hub(AutoTokenizer.from_pretrained, name_or_path, "tokenizer")
+
+
+def check_finite(model, name: str) -> None:
+    """Refuse weights with NaN/inf: every statistic and score downstream would be silently NaN."""
+    for pname, p in model.named_parameters():
+        if p.device.type != "meta" and not torch.isfinite(p).all():
+            raise ValueError(f"{name}: weight {pname} contains NaN or inf; the checkpoint is corrupt "
+                             "(or was saved after a diverged training step)")
 
 
 def is_causal(config) -> bool:
@@ -111,7 +133,7 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
     path = resolve(name_or_path)
-    config = AutoConfig.from_pretrained(path)
+    config = _from_hub(AutoConfig.from_pretrained, name_or_path, "model")
     if is_causal(config):
         cls = AutoModelForCausalLM
     elif any(a.endswith("ForMaskedLM") for a in (config.architectures or [])):
@@ -120,6 +142,7 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
         cls = AutoModel
     kw = {"device_map": device_map} if device_map else {}
     model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kw)
+    check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
 
 

@@ -21,8 +21,8 @@ from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, pa
                              window_scores)
 from pruner.recipe import Recipe
 from pruner.scoring import ScoringInputs, get_scorer
-from pruner.selection import Plan, SelectionConfig, SelectionError, convention_sensitivity, select
-from pruner.sinks import SinkSpec, default_spec
+from pruner.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
+from pruner.sinks import SinkSpec, check_content, default_spec
 
 
 @dataclass
@@ -73,6 +73,7 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
     if spec.mode == "auto":
         spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size)
+    check_content(batch.input_ids, batch.attention_mask, spec, tok)
     return Session(recipe, model, tok, causal, spec, batch, windows)
 
 
@@ -156,9 +157,10 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
     t0 = time.time()
     session = prepare(recipe, progress)
     scorer = get_scorer(recipe.scorer.name)
-    inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
     geom = arch.geometry(session.model)
     cfg = _selection_config(recipe)
+    check_target(geom, cfg)  # an impossible target fails before any calibration compute
+    inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
     plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
     sens_of = scorer.name if plan.convention else "cosine"
     sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)

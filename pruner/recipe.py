@@ -85,12 +85,15 @@ class SelectionSpec(_Strict):
     gqa: Literal["equal", "group"] = "equal"
     seed: int = 0
 
-    @field_validator("target")
+    @field_validator("target", mode="before")
     @classmethod
-    def _fraction_or_count(cls, v: float) -> float:
-        if v >= 1 and v != int(v):
-            raise ValueError("a target >= 1 is a head count and must be a whole number; "
-                             "fractions must be in (0, 1)")
+    def _fraction_or_count(cls, v):
+        """A float must be a fraction in (0, 1); a head count is written as a whole number (8, not 8.0)."""
+        if isinstance(v, bool):
+            raise ValueError("must be a number, not a boolean")
+        if isinstance(v, float) and v >= 1:
+            raise ValueError("a fraction of heads must be in (0, 1); a head count is a whole number "
+                             f"(got {v!r})")
         return v
 
 

@@ -79,10 +79,13 @@ def atomic_dir(out: Path, overwrite: bool):
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(out.parent, os.W_OK):
-        raise PermissionError(f"cannot write to {out.parent}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:  # before any compute: a read-only destination fails now, not after calibration
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(13, "permission denied")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as e:
+        raise PermissionError(f"cannot write the output folder {out}: {e.strerror or e}") from None
 
     def commit() -> None:
         if out.exists():

@@ -98,21 +98,34 @@ def _units(alive: torch.Tensor, scores: torch.Tensor, geom: Geometry, cfg: Selec
     return units
 
 
-def select(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig,
-           convention: str | None = None) -> Plan:
-    """Greedy selection of heads to prune; returns the plan in removal order."""
+def check_target(geom: Geometry, cfg: SelectionConfig) -> tuple[int, list[int] | None]:
+    """The number of heads to prune (and per-layer quotas), or a SelectionError saying why not.
+
+    Depends only on the geometry, so pipelines call it before any calibration compute.
+    """
     n_total = geom.n_layers * geom.n_heads
     target = cfg.count(n_total)
     if target <= 0:
-        raise SelectionError(f"target {cfg.target} selects no head of {n_total}")
-    max_prunable = n_total - geom.n_layers * cfg.min_heads_per_layer
-    if target > max_prunable:
-        raise SelectionError(f"target {target} heads exceeds the {max_prunable} that min_heads_per_layer="
-                             f"{cfg.min_heads_per_layer} allows ({geom.n_layers} layers x {geom.n_heads} heads)")
-    quota = None
-    if cfg.budget == "layer":
-        per = target // geom.n_layers
-        quota = [per + (1 if layer < target - per * geom.n_layers else 0) for layer in range(geom.n_layers)]
+        raise SelectionError(f"selection.target {cfg.target:g} selects 0 of {n_total} heads; use at least "
+                             f"{1 / n_total:.3g} (one head) or a head count")
+    spare = geom.n_heads - cfg.min_heads_per_layer
+    if spare <= 0:
+        raise SelectionError(f"selection.min_heads_per_layer={cfg.min_heads_per_layer} keeps all {geom.n_heads} "
+                             "heads of every layer: nothing can be pruned")
+    if target > spare * geom.n_layers:
+        raise SelectionError(f"selection.target asks for {target} of {n_total} heads, but keeping "
+                             f"min_heads_per_layer={cfg.min_heads_per_layer} in each of {geom.n_layers} layers "
+                             f"leaves at most {spare * geom.n_layers} prunable; lower the target")
+    if cfg.budget != "layer":
+        return target, None
+    per = target // geom.n_layers
+    return target, [per + (1 if layer < target - per * geom.n_layers else 0) for layer in range(geom.n_layers)]
+
+
+def select(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig,
+           convention: str | None = None) -> Plan:
+    """Greedy selection of heads to prune; returns the plan in removal order."""
+    target, quota = check_target(geom, cfg)
     alive = torch.ones(geom.n_layers, geom.n_heads, dtype=torch.bool)
     conv = convention or scorer.convention
     scores = scorer(inputs, alive, conv).to(torch.float64)

@@ -94,3 +94,12 @@ def sink_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor, spec: SinkS
     if ids:
         mask |= torch.isin(input_ids, torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device))
     return mask & valid
+
+
+def check_content(input_ids: torch.Tensor, attention_mask: torch.Tensor, spec: SinkSpec, tokenizer=None) -> None:
+    """Refuse a sink spec that marks every real token as a sink: no query row would be measured."""
+    if spec.mode == "auto":
+        return
+    if not (attention_mask.bool() & ~sink_mask(input_ids, attention_mask, spec, tokenizer)).any():
+        raise ValueError(f"sink spec {spec.mode!r} marks every token of every sample as a sink, so no "
+                         "attention row has content keys to measure; choose fewer sinks")

@@ -230,6 +230,10 @@ def finalize(layers: list[LayerStats]) -> HeadStats:
     """Divide the sums by their counts once, after every merge."""
     if any(float(s.rows) == 0 for s in layers):
         raise ValueError("no query rows were captured (all padding or sinks?)")
+    bad = [i for i, s in enumerate(layers) if not torch.isfinite(s.sink_mass + s.entropy_full).all()]
+    if bad:
+        raise ValueError(f"attention statistics of layer {bad[0]} are NaN/inf: the model produced non-finite "
+                         "attention logits (half-precision overflow? load it with model.dtype: float32)")
     st = lambda name: torch.stack([getattr(s, name) for s in layers])  # noqa: E731
     rows, crows = st("rows"), st("content_rows")
     safe_c = crows.clamp_min(1)

@@ -57,10 +57,12 @@ def test_selection_errors(llama_inputs):
     model, _, inputs = llama_inputs
     geom = arch.geometry(model)
     s = scoring.get_scorer("random")
-    with pytest.raises(SelectionError, match="selects no head"):
+    with pytest.raises(SelectionError, match="selects 0 of"):
         select(s, inputs, geom, SelectionConfig(target=0.01))
-    with pytest.raises(SelectionError, match="exceeds"):
+    with pytest.raises(SelectionError, match="leaves at most 6 prunable"):
         select(s, inputs, geom, SelectionConfig(target=7, min_heads_per_layer=1))
+    with pytest.raises(SelectionError, match="keeps all 4 heads of every layer"):
+        select(s, inputs, geom, SelectionConfig(target=1, min_heads_per_layer=4))
 
 
 def test_twin_aware_redundancy_never_removes_both_twins():
