@@ -102,8 +102,9 @@ def bos_token_id(tokenizer) -> int:
     for tok_id in (tokenizer.bos_token_id, tokenizer.cls_token_id):
         if tok_id is not None:
             return int(tok_id)
-    raise DataError(f"tokenizer {type(tokenizer).__name__} has neither a BOS nor a CLS token to start "
-                    "windows with; set bos: false (recipe calibration/evaluation sections; --no-bos for `sinks`)")
+    raise DataError(f"tokenizer {type(tokenizer).__name__} has neither a BOS nor a CLS token to start windows "
+                    "with; set bos: false in the recipe's calibration and evaluation sections "
+                    "(--no-bos for pruner sinks)")
 
 
 def _sample(n_total: int, num_samples: int | None, seed: int) -> list[int]:

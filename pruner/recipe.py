@@ -34,7 +34,10 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    data: str = Field(min_length=1, description="shakespeare:<split>, local file/folder, or Hub dataset id")
+    """Calibration text (the shipped Shakespeare calibration plays unless `data` says otherwise)."""
+
+    data: str = Field("shakespeare:calibration", min_length=1,
+                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -103,6 +106,8 @@ class SurgerySpec(_Strict):
 
 
 class EvaluationSpec(DataSpec):
+    data: str = Field("shakespeare:evaluation", min_length=1,
+                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
     num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
     bootstrap: int = Field(1000, ge=0)
     latency: bool = True
@@ -121,8 +126,8 @@ class CaptureSpec(_Strict):
 
 class Recipe(_Strict):
     model: ModelSpec
-    calibration: DataSpec = DataSpec(data="shakespeare:calibration")
-    evaluation: EvaluationSpec = EvaluationSpec(data="shakespeare:evaluation")
+    calibration: DataSpec = DataSpec()
+    evaluation: EvaluationSpec = EvaluationSpec()
     sinks: SinkSection = SinkSection()
     scorer: ScorerSpec = ScorerSpec()
     selection: SelectionSpec = SelectionSpec()
@@ -155,7 +160,10 @@ def _set(tree: dict, dotted: str, raw: str) -> None:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise RecipeError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    try:
+        node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:  # not YAML (e.g. `@name`): the text itself
+        node[keys[-1]] = raw
 
 
 def _check_paths(overrides: list[str]) -> None:
@@ -188,7 +196,8 @@ def load_recipe(source: str | Path | dict, overrides: list[str] = ()) -> Recipe:
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            raise RecipeError(f"recipe {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+            why = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise RecipeError(f"recipe {path} is not valid YAML{where}: {why}") from None
     if not isinstance(tree, dict):
         raise RecipeError("a recipe must be a YAML mapping with at least a `model:` section")
     _check_paths(list(overrides))

@@ -66,9 +66,13 @@ class Plan:
         return {k: sorted(v) for k, v in sorted(out.items())}
 
     def to_json(self) -> str:
+        """Byte-stable JSON: floats to 10 significant digits, because sums over a different
+        number of threads differ in the last bits and the plan must not."""
+        sig = lambda x: x if not isinstance(x, float) else float(f"{x:.10g}")  # noqa: E731
+        entries = [{k: sig(v) for k, v in asdict(e).items()} for e in self.entries]
         return json.dumps({"scorer": self.scorer, "convention": self.convention, "target": self.target,
                            "pruned": len(self.entries), "heads": {str(k): v for k, v in self.heads.items()},
-                           "entries": [asdict(e) for e in self.entries]}, indent=1, sort_keys=True)
+                           "entries": entries}, indent=1, sort_keys=True)
 
 
 def _units(alive: torch.Tensor, scores: torch.Tensor, geom: Geometry, cfg: SelectionConfig,

@@ -87,3 +87,46 @@ def test_resolved_recipe_round_trips():
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_validate(path):
     load_recipe(path)
+
+
+# --- fuzzing: any input is either a valid recipe or one clean RecipeError -------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_KEYS = ["model", "path", "dtype", "calibration", "evaluation", "data", "length", "num_samples", "sinks", "mode",
+         "positions", "scorer", "name", "selection", "target", "budget", "surgery", "compensation", "export",
+         "format", "capture", "metrics", "threads", "seed", "bogus"]
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                     st.text(max_size=12), st.sampled_from(["minilm-causal", "sink-aware", "mask", "first", "0.25"]))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.sampled_from(_KEYS), inner, max_size=5)),
+                       max_leaves=20)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except RecipeError as e:
+        assert str(e) and "\n" not in str(e), str(e)  # one line, printed as `pruner: error: ...`
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(_KEYS), _VALUES, max_size=6))
+def test_fuzz_recipe_trees_validate_or_fail_cleanly(tree):
+    _outcome(lambda: load_recipe(tree))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_fuzz_recipe_yaml_text_validates_or_fails_cleanly(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
+    path.write_text(text)
+    _outcome(lambda: load_recipe(path))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(_KEYS), min_size=1, max_size=3), st.text(max_size=10)),
+                max_size=3))
+def test_fuzz_overrides_validate_or_fail_cleanly(sets):
+    _outcome(lambda: load_recipe({"model": {"path": "minilm-causal"}}, [f"{'.'.join(k)}={v}" for k, v in sets]))

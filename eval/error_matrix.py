@@ -1,0 +1,36 @@
+"""Print the bad-input matrix of tests/test_reliability.py as the README's troubleshooting table.
+
+    python eval/error_matrix.py > /tmp/matrix.md
+
+Runs every case through the CLI (as the tests do) and prints `case | exit | message`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from pruner.cli import main  # noqa: E402
+from test_reliability import CASES, build_env, case_args  # noqa: E402
+
+
+def run() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        env = build_env(Path(d))
+        print("| bad input | exit | what pruner prints |\n|---|---|---|")
+        for name, argv, _, _ in CASES:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                rc = main(case_args(argv, env, Path(d) / "out"))
+            line = next(x for x in err.getvalue().splitlines() if x.startswith("pruner: "))
+            print(f"| {name} | {rc} | `{line.replace(d, '<tmp>').replace('|', '/')}` |", flush=True)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,241 @@
+"""Bad inputs through the CLI: one clear line, a non-zero exit, nothing half-written.
+
+Every case runs `pruner` in-process on small shipped or tiny models. A case passes
+when the exit status and the message match, stderr is one line with no traceback,
+and the output folder (and any temporary sibling) does not exist afterwards.
+`eval/error_matrix.py` prints the same cases with their messages for the README.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pruner import assets
+from pruner.cli import main
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--set", "calibration.num_samples=4", "--set", "calibration.length=32", "--set", "evaluation.num_samples=4",
+        "--set", "evaluation.length=32", "--set", "evaluation.bootstrap=10", "--set", "capture.metrics=[cosine]",
+        "--set", "evaluation.latency=false"]
+
+
+def _tiny(folder: Path, cls_name: str, **config) -> Path:
+    """A tiny random model of a transformers class with the shipped 4,096-token tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg_cls, model_cls = {"gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel), "opt": (tf.OPTConfig, tf.OPTForCausalLM),
+                          "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[cls_name]
+    model_cls(cfg_cls(vocab_size=4096, **config)).save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(assets.checkpoint("gpt2-shakespeare") / f, folder / f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return build_env(tmp_path_factory.mktemp("bad"))
+
+
+def build_env(d: Path) -> Path:
+    """Files and tiny checkpoints the bad-input cases point at (built once, in folder `d`)."""
+    import transformers as tf
+
+    gpt2 = dict(n_layer=2, n_head=4, n_embd=32, n_positions=64, bos_token_id=1, eos_token_id=2)
+    tiny = _tiny(d / "tiny-gpt2", "gpt2", **gpt2)
+    nan = _tiny(d / "nan-gpt2", "gpt2", **gpt2)
+    m = tf.AutoModelForCausalLM.from_pretrained(nan)
+    with torch.no_grad():
+        m.transformer.h[1].attn.c_attn.weight[0, 0] = float("nan")
+    m.save_pretrained(nan)
+    _tiny(d / "opt", "opt", hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+          max_position_embeddings=64, word_embed_proj_dim=32)
+    nobos = _tiny(d / "nobos", "gpt2", **gpt2)
+    tok = tf.AutoTokenizer.from_pretrained(nobos)
+    tok.bos_token = None
+    tok.save_pretrained(nobos)
+    (d / "recipe.yaml").write_text(f"model: {{path: {tiny}}}\nsinks: {{mode: first}}\n")
+    (d / "malformed.yaml").write_text("model:\n  path: [unclosed\n")
+    (d / "unknown.yaml").write_text(f"model: {{path: {tiny}, colour: red}}\n")
+    (d / "wrongtype.yaml").write_text(f"model: {{path: {tiny}}}\nselection: {{target: lots}}\n")
+    (d / "empty.txt").write_text("")
+    (d / "short.txt").write_text("To be, or not to be.\n")
+    (d / "latin1.txt").write_bytes("Caf\xe9 ol\xe9, se\xf1or.\n".encode("latin-1") * 50)
+    ro = d / "readonly"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.access(ro, os.W_OK):  # root ignores permission bits: /sys refuses writes even to root
+        ro = Path("/sys/pruner-readonly")
+    d.joinpath("ro_path").write_text(str(ro))
+    return d
+
+
+def _recipe(env, *sets):
+    return ["prune", str(env / "recipe.yaml"), *TINY, *(x for s in sets for x in ("--set", s))]
+
+
+# (id, argv from env, exit status, message regex). The output folder is always <tmp>/out.
+CASES = [
+    ("missing model path", lambda e: _recipe(e, "model.path=/nonexistent/model"), 2,
+     r"model path '/nonexistent/model' does not exist"),
+    ("Hub id, no network", lambda e: _recipe(e, "model.path=pruner-tests/no-such-model"), 2,
+     r"cannot load the model 'pruner-tests/no-such-model': it is not a shipped checkpoint .* Hub did not provide"),
+    ("unsupported architecture", lambda e: _recipe(e, f"model.path={e / 'opt'}"), 2,
+     r"architecture 'opt' is not supported; supported: bert, gpt2, gpt_neox, llama"),
+    ("malformed YAML", lambda e: ["prune", str(e / "malformed.yaml")], 2, r"is not valid YAML \(line 3, column 1\)"),
+    ("unknown recipe key", lambda e: ["prune", str(e / "unknown.yaml")], 2, r"invalid recipe: model.colour: unknown key"),
+    ("wrong type", lambda e: ["prune", str(e / "wrongtype.yaml")], 2,
+     r"invalid recipe: selection.target: Input should be a valid number"),
+    ("missing recipe file", lambda e: ["prune", str(e / "nope.yaml")], 2, r"recipe file .*nope.yaml does not exist"),
+    ("sparsity <= 0", lambda e: _recipe(e, "selection.target=0"), 2,
+     r"selection.target: Input should be greater than 0"),
+    ("sparsity >= 1 as a fraction", lambda e: _recipe(e, "selection.target=1.0"), 2,
+     r"selection.target: .*fraction of heads must be in \(0, 1\); a head count is a whole number \(got 1.0\)"),
+    ("selection would empty a layer", lambda e: _recipe(e, "selection.target=0.99"), 2,
+     r"asks for 8 of 8 heads, but keeping min_heads_per_layer=1 in each of 2 layers leaves at most 6"),
+    ("fewer heads than the per-layer minimum", lambda e: _recipe(e, "selection.min_heads_per_layer=3",
+                                                                 "selection.target=0.5"), 2,
+     r"asks for 4 of 8 heads, but keeping min_heads_per_layer=3 .* leaves at most 2 prunable"),
+    ("per-layer minimum keeps every head", lambda e: _recipe(e, "selection.min_heads_per_layer=4"), 2,
+     r"min_heads_per_layer=4 keeps all 4 heads of every layer: nothing can be pruned"),
+    ("zero heads selected", lambda e: _recipe(e, "selection.target=0.01"), 2,
+     r"selection.target 0.01 selects 0 of 8 heads; use at least 0.125"),
+    ("empty calibration file", lambda e: _recipe(e, f"calibration.data={e / 'empty.txt'}"), 2,
+     r"no text in '.*empty.txt'"),
+    ("text shorter than one window", lambda e: _recipe(e, f"calibration.data={e / 'short.txt'}"), 2,
+     r"text has \d+ tokens, shorter than one window of 31 tokens"),
+    ("non-UTF-8 text", lambda e: _recipe(e, f"calibration.data={e / 'latin1.txt'}"), 2,
+     r"latin1.txt is not UTF-8 text \(byte 3\): re-encode it as UTF-8"),
+    ("every token a sink", lambda e: _recipe(e, "sinks.mode=positions",
+                                             f"sinks.positions=[{','.join(map(str, range(32)))}]"), 2,
+     r"sink spec 'positions' marks every token of every sample as a sink"),
+    ("NaN in weights", lambda e: _recipe(e, f"model.path={e / 'nan-gpt2'}"), 2,
+     r"weight transformer.h.1.attn.c_attn.weight contains NaN or inf"),
+    ("invalid sink mode", lambda e: _recipe(e, "sinks.mode=wherever"), 2,
+     r"sinks.mode: Input should be 'first', 'bos', 'special', 'ids', 'positions' or 'auto'"),
+    ("invalid sink spec (sinks command)", lambda e: ["sinks", str(e / "tiny-gpt2"), "--sinks", "ids:x"], 2,
+     r"invalid sink spec 'ids:x': values must be whole numbers"),
+    ("BOS from a tokenizer without one", lambda e: _recipe(e, f"model.path={e / 'nobos'}"), 2,
+     r"has neither a BOS nor a CLS token to start windows with; set bos: false"),
+    ("perplexity of a model without an LM head", lambda e: _recipe(e, "model.path=minilm", "sinks.mode=special",
+                                                                   "calibration.unit=lines"), 2,
+     r"minilm: masked-token perplexity needs a masked-LM head \(set model.mlm_readout: shipped"),
+    ("--set of a missing key", lambda e: _recipe(e, "selection.colour=3"), 2,
+     r"--set selection.colour: no such key 'colour'; valid here: target, budget"),
+    ("scorer name typo", lambda e: _recipe(e, "scorer.name=sink-awre"), 2,
+     r"unknown scorer 'sink-awre' \(did you mean 'sink-aware'\?\)"),
+    ("compare: bad sparsity list", lambda e: ["compare", str(e / "recipe.yaml"), "--sparsities", "0.1,1.5"], 2,
+     r"--sparsities: '1.5' is neither a fraction in \(0, 1\) nor a whole head count"),
+    ("compare: unknown compensation", lambda e: ["compare", str(e / "recipe.yaml"), "--compensation", "half"], 2,
+     r"unknown compensation \['half'\]; valid: zero, mean"),
+    ("read-only output folder", lambda e: _recipe(e) + ["--out", Path((e / "ro_path").read_text()) / "run"], 2,
+     r"cannot write the output folder .*run: (Permission denied|permission denied|Operation not permitted)"),
+]
+
+
+def case_args(argv, env: Path, out: Path) -> list[str]:
+    args = [str(a) for a in argv(env)]
+    return args + ["--out", str(out)] if "--out" not in args and args[0] != "sinks" else args
+
+
+@pytest.mark.parametrize("name,argv,status,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(env, tmp_path, capsys, name, argv, status, message):
+    out = tmp_path / "out"
+    rc = main(case_args(argv, env, out))
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("pruner: ")]
+    assert rc == status, err
+    assert len(lines) == 1 and lines[0].startswith("pruner: error: "), err
+    assert re.search(message, lines[0]), lines[0]
+    assert "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".out.*")), "half-written output left behind"
+
+
+def test_existing_output_folder_is_kept_without_overwrite(env, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(_recipe(env) + ["--out", str(out)]) == 2
+    assert re.search(r"output folder .*out exists and is not empty; pass --overwrite", capsys.readouterr().err)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and not list(tmp_path.glob(".out.*"))
+    assert main(_recipe(env) + ["--out", str(out), "--overwrite"]) == 0
+    assert (out / "plan.json").exists() and not (out / "keep.txt").exists()
+
+
+def test_debug_shows_the_traceback(env, capsys):
+    with pytest.raises(ValueError, match="selects 0 of 8 heads"):
+        main(_recipe(env, "selection.target=0.01") + ["--debug", "--out", str(env / "never")])
+    assert not (env / "never").exists()
+
+
+def test_unexpected_errors_are_one_line_with_a_hint(env, tmp_path, capsys, monkeypatch):
+    from pruner import pipeline
+
+    def boom(*a, **k):
+        raise RuntimeError("something broke\ninside")
+    monkeypatch.setattr(pipeline, "scoring_inputs", boom)
+    assert main(_recipe(env) + ["--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "pruner: error: unexpected RuntimeError: something broke inside (run with --debug for the traceback)"
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_half_precision_underflow_is_handled(env, tmp_path, capsys):
+    """fp16 attention rows with exact zeros (eager softmax underflows): statistics come from float32 logits."""
+    import transformers as tf
+
+    folder = _tiny(tmp_path / "fp16", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                   bos_token_id=1, eos_token_id=2)
+    m = tf.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # sharp attention: logit gaps far beyond fp16's exp range
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    m.save_pretrained(folder)
+    half = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float16, attn_implementation="eager")
+    ids = torch.randint(3, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
+    att = half(ids, output_attentions=True).attentions[1]  # (1, H, T, T) fp16
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    assert (att[0][:, causal] == 0).any(), "premise: fp16 attention rows contain exact zeros"
+    out = tmp_path / "run"
+    rc = main(["prune", str(env / "recipe.yaml"), *TINY, "--set", f"model.path={folder}", "--set",
+               "model.dtype=float16", "--set", "capture.metrics=[cosine,js,aitchison]", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    import json
+
+    plan = json.loads((out / "plan.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert all(torch.isfinite(torch.tensor(e["score"])) for e in plan["entries"])
+    assert torch.isfinite(torch.tensor([metrics["evaluation"]["base"], metrics["evaluation"]["pruned"]])).all()
+
+
+def test_interrupt_leaves_no_partial_output(env, tmp_path):
+    """Ctrl-C (SIGINT) mid-calibration: exit 130, one line, no output folder, no temporary sibling."""
+    out = tmp_path / "run"
+    log = tmp_path / "stderr.txt"
+    cmd = [sys.executable, "-m", "pruner.cli", "prune", str(ROOT / "recipes" / "gpt2-shakespeare.yaml"),
+           "--set", "calibration.num_samples=256", "--set", "calibration.batch_size=1", "--out", str(out)]
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=f, stdout=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while "capture:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert list(tmp_path.glob(".run.*")), "premise: the run is in progress with its temporary folder"
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    assert rc == 130
+    assert log.read_text().strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"
+    assert "Traceback" not in log.read_text()
+    assert not out.exists() and not list(tmp_path.glob(".run.*"))
