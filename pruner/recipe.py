@@ -106,9 +106,31 @@ class EvaluationSpec(DataSpec):
 
 
 class ExportSpec(_Strict):
+    """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
+
     format: Literal["none", "dense", "compact"] = "none"
-    push_to_hub: str | None = None
+    push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
     private: bool = False
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, v: str | None) -> str | None:
+        if v is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(v)
+            except HFValidationError as e:
+                raise ValueError(f"invalid Hub repo id {v!r}: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _push_needs_export(self):
+        if self.push_to_hub and self.format == "none":
+            raise ValueError("push_to_hub needs an export: set export.format to dense or compact")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private applies only with export.push_to_hub")
+        return self
 
 
 class CaptureSpec(_Strict):
