@@ -241,7 +241,7 @@ def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -
         raise PushError(f"push to {repo_id} failed ({type(e).__name__}: {first}). The local export at {folder} "
                         "is intact. Check the token (`hf auth login`, or HF_TOKEN with write access), the "
                         f"network (or HF_ENDPOINT), and the repo id; then retry with "
-                        f"`hf upload {repo_id} {folder}`") from None
+                        f"`hf upload {repo_id} {folder}{' --private' if private else ''}`") from None
     return f"{getattr(client, 'endpoint', None) or 'https://huggingface.co'}/{repo_id}"
 
 
