@@ -119,7 +119,7 @@ def inexpressible(model, removed: bool) -> str | None:
     try:  # transformers validates configs on save (e.g. hidden_size % num_attention_heads)
         type(model.config).from_dict(model.config.to_dict())
     except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
-        return f"transformers rejects its config: {str(e).splitlines()[-1].strip()}"
+        return f"transformers rejects its config: {str(e).splitlines()[-1].strip().rstrip('.')}"
     return None
 
 
