@@ -79,7 +79,7 @@ def _prune(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pruner import pipeline, report
+    from pruner import export, pipeline, report
 
     recipe = _load_recipe(args)
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
@@ -87,6 +87,7 @@ def _prune(args: argparse.Namespace) -> int:
     try:
         result = pipeline.run(recipe, out)
         pipeline.save_model(result, tmp / "model")
+        export.save_compensation(result.bias, tmp / export.COMPENSATION_FILE)
         plan_json = result.plan.to_json()
         (tmp / "plan.json").write_text(plan_json + "\n")
         (tmp / "metrics.json").write_text(json.dumps(pipeline.to_jsonable(result.metrics), indent=1) + "\n")
@@ -109,7 +110,37 @@ def _prune(args: argparse.Namespace) -> int:
               f"selected heads change between the {sens['convention']} and {sens['other']} conventions")
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
-    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md)")
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md"
+          + (f", {export.COMPENSATION_FILE})" if result.bias else ")"))
+    ex = recipe.export
+    if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
+        try:
+            done = export.export_run(out, ex.format, out / f"export-{ex.format}", repo_id=ex.push_to_hub,
+                                     private=ex.private)
+        except export.ExportError as e:
+            raise export.ExportError(f"{e} (the run itself is complete in {out}/)") from None
+        _report_export(*done)
+    return 0
+
+
+def _report_export(done, url) -> None:
+    print(f"exported a {done.format} checkpoint: {done.params:,} parameters, {done.bytes / 1e6:.1f} MB of weights; "
+          f"reloads with vanilla transformers (max |logit difference| {done.max_diff:.1e})")
+    print(f"wrote {done.folder}/ (checkpoint, README.md model card, plan.json)")
+    if url:
+        print(f"pushed to {url}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pruner import export
+
+    if args.private and not args.push_to_hub:
+        raise ValueError("--private applies only with --push-to-hub REPO_ID")
+    out = Path(args.out or Path(args.run_dir) / f"export-{args.format}")
+    _report_export(*export.export_run(Path(args.run_dir), args.format, out, args.overwrite,
+                                      repo_id=args.push_to_hub, private=args.private))
     return 0
 
 
@@ -204,6 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--sparsities", default="0.1,0.25,0.4,0.5", help="comma-separated fractions or counts")
     cp.add_argument("--compensation", default="zero,mean", help="zero, mean or both (comma-separated)")
     cp.set_defaults(func=_compare)
+
+    ep = sub.add_parser("export", parents=[common],
+                        help="a shareable checkpoint of a run (dense or compact) + model card; push",
+                        description="Rebuild a run's pruned model from RUN_DIR (recipe.yaml, plan.json, "
+                                    "compensation.safetensors), write it as a vanilla transformers checkpoint "
+                                    "with a model card, check that it reloads, and optionally push it to the Hub.")
+    ep.add_argument("run_dir", metavar="RUN_DIR", help="output folder of `pruner prune`")
+    ep.add_argument("--format", required=True, choices=("dense", "compact"),
+                    help="dense: pruned heads zeroed, original shapes, loads anywhere; compact: heads removed, "
+                         "smaller (only where the config can express it)")
+    ep.add_argument("--out", help="export folder (default: RUN_DIR/export-FORMAT)")
+    ep.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
+    ep.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    ep.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
+    ep.set_defaults(func=_export)
     return ap
 
 

@@ -130,20 +130,37 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     `device_map` (e.g. "auto") is passed to transformers/accelerate for models
     larger than one device; otherwise the model is moved to `device`.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoConfig
 
     path = resolve(name_or_path)
-    config = _from_hub(AutoConfig.from_pretrained, name_or_path, "model")
-    if is_causal(config):
-        cls = AutoModelForCausalLM
-    elif any(a.endswith("ForMaskedLM") for a in (config.architectures or [])):
-        cls = AutoModelForMaskedLM  # keeps the MLM head: masked-token perplexity
-    else:
-        cls = AutoModel
+    cls = auto_class(_from_hub(AutoConfig.from_pretrained, name_or_path, "model"))
     kw = {"device_map": device_map} if device_map else {}
     model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kw)
     check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
+
+
+def auto_class(config):
+    """The vanilla Auto class that loads a checkpoint with its head: causal LM, masked LM, or bare encoder."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    if is_causal(config):
+        return AutoModelForCausalLM
+    if is_masked_lm(config):
+        return AutoModelForMaskedLM  # keeps the MLM head: masked-token perplexity
+    return AutoModel
+
+
+def is_masked_lm(config) -> bool:
+    return any(a.endswith("ForMaskedLM") for a in (config.architectures or []))
+
+
+def load_base(spec):
+    """The unpruned model a recipe's `model` section names (`path`, `dtype`, `device`, `device_map`,
+    `mlm_readout`): what `prune` calibrates and what `export` rebuilds the pruned model from."""
+    if spec.mlm_readout:
+        return load_minilm_mlm(spec.mlm_readout)
+    return load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=spec.device_map)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,14 @@ evaluated with a scoped mask on the same evaluation windows.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from pruner import arch, data, models, surgery
+from pruner import arch, data, export, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
 from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -48,10 +49,7 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
         torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     m = recipe.model
-    if m.mlm_readout:
-        model = models.load_minilm_mlm(m.mlm_readout)
-    else:
-        model = models.load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map)
+    model = models.load_base(m)
     arch.adapter_for(model)  # unsupported architecture: fail before any compute
     tok = models.load_tokenizer(m.path)
     causal = models.attends_causally(model)
@@ -150,6 +148,7 @@ class RunResult:
     out: Path
     model: object
     tokenizer: object
+    bias: dict[int, torch.Tensor] | None  # folded mean compensation, {layer: (d_model,)}; None for `zero`
 
 
 def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
@@ -190,39 +189,22 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
         "convention_sensitivity": {**asdict(sens), "scorer": sens_of},
         "seconds": round(time.time() - t0, 1),
     }
-    return RunResult(plan, metrics, out, model, session.tokenizer)
-
-
-def inexpressible(model, removed: bool) -> str | None:
-    """Why a vanilla config cannot describe this pruned model, or None when it can."""
-    if getattr(model, "_pruner_bias_not_in_config", False):
-        return "its output projection needed a bias that this architecture's config cannot declare"
-    if not removed:
-        return None
-    counts = {len(v) for v in surgery.kept_heads(model).values()}
-    if len(counts) != 1 or getattr(model.config, "head_dim", None) is None:
-        return "its head counts differ between layers or its config has no explicit head_dim"
-    try:  # transformers validates configs on save (e.g. hidden_size % num_attention_heads)
-        type(model.config).from_dict(model.config.to_dict())
-    except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
-        return f"transformers rejects its config: {str(e).splitlines()[-1].strip()}"
-    return None
+    return RunResult(plan, metrics, out, model, session.tokenizer, bias)
 
 
 def save_model(result: RunResult, folder: Path) -> None:
-    """Save the pruned model where vanilla `from_pretrained` can load it, or say why not."""
-    model = result.model
-    reason = inexpressible(model, result.metrics["surgery"] == "remove")
+    """Save the pruned model where vanilla `from_pretrained` can load it (reload-checked), or say why not."""
     folder.mkdir(parents=True, exist_ok=True)
-    if reason is not None:
+    try:
+        export.save_checkpoint(result.model, result.tokenizer, folder, removed=result.metrics["surgery"] == "remove")
+    except export.ExportError as e:
+        for f in folder.iterdir():  # nothing half-written next to the note
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
         (folder / "NOT_SAVED.txt").write_text(
-            f"This pruned model cannot be saved as a vanilla transformers checkpoint: {reason}.\n"
-            "Re-run with surgery.mode: mask (dense: pruned heads zeroed, shapes kept; loads anywhere).\n")
+            f"This pruned model was not saved as a vanilla transformers checkpoint. {e}\n")
         result.metrics["model_saved"] = False
-        result.metrics["model_not_saved_because"] = reason
+        result.metrics["model_not_saved_because"] = str(e)
         return
-    model.save_pretrained(folder)
-    result.tokenizer.save_pretrained(folder)
     result.metrics["model_saved"] = True
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from pruner.scoring import SCORERS
 
@@ -82,7 +82,7 @@ class ScorerSpec(_Strict):
 
 
 class SelectionSpec(_Strict):
-    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a head count (>= 1)")
+    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1)")
     budget: Literal["global", "layer"] = "global"
     min_heads_per_layer: int = Field(1, ge=1)
     gqa: Literal["equal", "group"] = "equal"
@@ -99,6 +99,11 @@ class SelectionSpec(_Strict):
                              f"(got {v!r})")
         return v
 
+    @field_serializer("target")
+    def _whole_count(self, v: float) -> int | float:
+        """Counts are saved as whole numbers, so a saved recipe reloads (8.0 would be refused)."""
+        return int(v) if v >= 1 else v
+
 
 class SurgerySpec(_Strict):
     mode: Literal["mask", "remove"] = "mask"
@@ -114,9 +119,31 @@ class EvaluationSpec(DataSpec):
 
 
 class ExportSpec(_Strict):
+    """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
+
     format: Literal["none", "dense", "compact"] = "none"
-    push_to_hub: str | None = None
+    push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
     private: bool = False
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, v: str | None) -> str | None:
+        if v is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(v)
+            except HFValidationError as e:
+                raise ValueError(f"invalid Hub repo id {v!r}: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _push_needs_export(self):
+        if self.push_to_hub and self.format == "none":
+            raise ValueError("push_to_hub needs an export: set export.format to dense or compact")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private applies only with export.push_to_hub")
+        return self
 
 
 class CaptureSpec(_Strict):

@@ -74,11 +74,17 @@ def plot_compare(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def atomic_dir(out: Path, overwrite: bool):
-    """A temporary sibling folder to fill; `commit()` renames it to `out` (nothing half-written)."""
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    """Fail early (before any compute) when `out` holds something and `overwrite` is off."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def atomic_dir(out: Path, overwrite: bool):
+    """A temporary sibling folder to fill; `commit()` renames it to `out` (nothing half-written)."""
+    out = Path(out)
+    refuse_existing(out, overwrite)
     try:  # before any compute: a read-only destination fails now, not after calibration
         out.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(out.parent, os.W_OK):
@@ -86,6 +92,9 @@ def atomic_dir(out: Path, overwrite: bool):
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as e:
         raise PermissionError(f"cannot write the output folder {out}: {e.strerror or e}") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make a shared export unreadable to others
 
     def commit() -> None:
         if out.exists():
@@ -120,29 +129,47 @@ def _ms(x) -> str:
     return "n/a" if x is None else f"{x:.1f}"
 
 
+def result_table(metrics: dict, params_after: int | None = None) -> str:
+    """Perplexity before/after with its CI, parameters and latency of one pruning run."""
+    e = metrics["evaluation"]
+    after = metrics["params_after"] if params_after is None else params_after
+    return markdown_table(["", "value"], [
+        ["perplexity before", e["base"]], ["perplexity after", e["pruned"]],
+        ["change [95% CI]", f"{e['delta']:+.2f} [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}]"],
+        ["evaluation windows / tokens", f"{e['windows']} / {e['tokens']}"],
+        ["parameters", f"{metrics['params_before']:,} -> {after:,}"],
+        ["latency (ms / batch)", _ms(metrics["latency_ms_before"]) + " -> " + _ms(metrics["latency_ms_after"])],
+    ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else []))
+
+
+def sensitivity_text(metrics: dict) -> str | None:
+    """How many selected heads the other attention convention would change (None if not measured)."""
+    sens = metrics.get("convention_sensitivity")
+    if not sens:
+        return None
+    return (f"**Convention sensitivity** (`{sens['scorer']}` redundancy plan at the same target): with "
+            f"the {sens['other']} convention instead of {sens['convention']}, {sens['changed']} of the "
+            f"{metrics['pruned_heads']} selected heads would change (only with {sens['convention']}: "
+            f"{sens['only_this']}; only with {sens['other']}: {sens['only_other']}).")
+
+
+def plan_table(plan: dict) -> str:
+    """The pruned heads in selection order (`plan` as in plan.json)."""
+    return markdown_table(
+        ["step", "layer", "head", "score", "sink mass", "nearest twin", "twin cosine"],
+        [[x["step"], x["layer"], x["head"], f"{x['score']:.4g}", x["sink_mass"], x["twin"],
+          "" if x["twin_similarity"] is None else x["twin_similarity"]] for x in plan["entries"]])
+
+
 def run_report(metrics: dict, plan_json: str) -> str:
     """A short report.md for one pruning run."""
-    e = metrics["evaluation"]
-    plan = json.loads(plan_json)
     lines = [f"# pruner: {metrics['model']}", "",
              f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
              f"`{metrics['scorer']}`" + (f" ({metrics['convention']} convention)" if metrics["convention"] else "")
              + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
-             markdown_table(["", "value"], [
-                 ["perplexity before", e["base"]], ["perplexity after", e["pruned"]],
-                 ["change [95% CI]", f"{e['delta']:+.2f} [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}]"],
-                 ["evaluation windows / tokens", f"{e['windows']} / {e['tokens']}"],
-                 ["parameters", f"{metrics['params_before']:,} -> {metrics['params_after']:,}"],
-                 ["latency (ms / batch)", _ms(metrics["latency_ms_before"]) + " -> " + _ms(metrics["latency_ms_after"])],
-             ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else [])), ""]
-    sens = metrics.get("convention_sensitivity")
+             result_table(metrics), ""]
+    sens = sensitivity_text(metrics)
     if sens:
-        lines += [f"**Convention sensitivity** (`{sens['scorer']}` redundancy plan at the same target): with "
-                  f"the {sens['other']} convention instead of {sens['convention']}, {sens['changed']} of the "
-                  f"{metrics['pruned_heads']} selected heads would change (only with {sens['convention']}: "
-                  f"{sens['only_this']}; only with {sens['other']}: {sens['only_other']}).", ""]
-    lines += ["## Pruned heads", "", markdown_table(
-        ["step", "layer", "head", "score", "sink mass", "nearest twin", "twin cosine"],
-        [[x["step"], x["layer"], x["head"], f"{x['score']:.4g}", x["sink_mass"], x["twin"],
-          "" if x["twin_similarity"] is None else x["twin_similarity"]] for x in plan["entries"]])]
+        lines += [sens, ""]
+    lines += ["## Pruned heads", "", plan_table(json.loads(plan_json))]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ def test_version_and_help(capsys):
     assert e.value.code == 0 and "pruner 0.1.0" in capsys.readouterr().out
     assert main([]) == 0
     out = capsys.readouterr().out
-    for cmd in ("sinks", "prune", "compare"):
+    for cmd in ("sinks", "prune", "compare", "export"):
         assert cmd in out
 
 

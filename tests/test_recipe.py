@@ -39,6 +39,10 @@ def with_(**sections):
     (with_(sinks={"mode": "positions"}), r"sinks: .*needs at least one position"),
     (with_(sinks={"mode": "positions", "positions": [-1]}), r"sinks: .*>= 0"),
     (with_(sinks={"mode": "cls"}), r"sinks.mode"),
+    (with_(export={"format": "onnx"}), r"export.format: Input should be 'none', 'dense' or 'compact'"),
+    (with_(export={"push_to_hub": "me/x"}), r"export: push_to_hub needs an export"),
+    (with_(export={"format": "dense", "push_to_hub": "not a repo"}), r"export.push_to_hub: invalid Hub repo id"),
+    (with_(export={"format": "dense", "private": True}), r"export: private applies only with export.push_to_hub"),
     (with_(sinks={"eps": 1.0}), r"sinks.eps: Input should be less than 1"),
     (with_(calibration={"data": "x", "length": 2}), r"calibration.length: .*greater than or equal to 4"),
     (with_(calibration={"data": "x", "unit": "pages"}), r"calibration.unit"),
@@ -64,6 +68,17 @@ def test_overrides_apply_and_reject_missing_keys():
         load_recipe(BASE, ["selection.target"])
     with pytest.raises(RecipeError, match=r"selection.target: Input should be greater than 0"):
         load_recipe(BASE, ["selection.target=-1"])
+
+
+@pytest.mark.parametrize("target", ["0.25", "18"])
+def test_resolved_recipe_round_trips(tmp_path, target):
+    """The recipe.yaml saved next to a run reloads to the same recipe (a head count stays a whole number)."""
+    r = load_recipe(BASE, [f"selection.target={target}"])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(r.to_yaml())
+    again = load_recipe(path)
+    assert again == r
+    assert ("target: 18\n" in r.to_yaml()) == (target == "18")
 
 
 def test_yaml_errors_are_clear(tmp_path):

@@ -8,6 +8,8 @@ and the output folder (and any temporary sibling) does not exist afterwards.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -66,6 +68,13 @@ def build_env(d: Path) -> Path:
     tok.bos_token = None
     tok.save_pretrained(nobos)
     (d / "recipe.yaml").write_text(f"model: {{path: {tiny}}}\nsinks: {{mode: first}}\n")
+    llama = _tiny(d / "tiny-llama", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        # one head per KV group in one layer: 2 and 4 query heads per layer, which no Llama config can say
+        assert main(["prune", str(d / "recipe.yaml"), *TINY, "--set", f"model.path={llama}", "--set",
+                     "selection.target=2", "--out", str(d / "llama-run")]) == 0
     (d / "malformed.yaml").write_text("model:\n  path: [unclosed\n")
     (d / "unknown.yaml").write_text(f"model: {{path: {tiny}, colour: red}}\n")
     (d / "wrongtype.yaml").write_text(f"model: {{path: {tiny}}}\nselection: {{target: lots}}\n")
@@ -139,6 +148,10 @@ CASES = [
      r"--sparsities: '1.5' is neither a fraction in \(0, 1\) nor a whole head count"),
     ("compare: unknown compensation", lambda e: ["compare", str(e / "recipe.yaml"), "--compensation", "half"], 2,
      r"unknown compensation \['half'\]; valid: zero, mean"),
+    ("compact export the config cannot express", lambda e: ["export", e / "llama-run", "--format", "compact"], 2,
+     r"cannot write a compact checkpoint: .*head counts differ between layers.* Use the dense form"),
+    ("export of a folder that is not a run", lambda e: ["export", e / "tiny-llama", "--format", "dense"], 2,
+     r"tiny-llama is not a pruner run folder \(no recipe.yaml, plan.json, metrics.json\)"),
     ("read-only output folder", lambda e: _recipe(e) + ["--out", Path((e / "ro_path").read_text()) / "run"], 2,
      r"cannot write the output folder .*run: (Permission denied|permission denied|Operation not permitted)"),
 ]
@@ -189,6 +202,18 @@ def test_unexpected_errors_are_one_line_with_a_hint(env, tmp_path, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "pruner: error: unexpected RuntimeError: something broke inside (run with --debug for the traceback)"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_interrupted_export_leaves_nothing(env, tmp_path, capsys, monkeypatch):
+    from pruner import export
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(export, "reload_diff", interrupt)  # Ctrl-C while the written checkpoint is checked
+    out = tmp_path / "export"
+    assert main(["export", str(env / "llama-run"), "--format", "dense", "--out", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"
+    assert not out.exists() and not list(tmp_path.glob(".export.*"))
 
 
 def test_half_precision_underflow_is_handled(env, tmp_path, capsys):
