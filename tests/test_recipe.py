@@ -71,7 +71,7 @@ def test_overrides_apply_and_reject_missing_keys():
 
 
 @pytest.mark.parametrize("target", ["0.25", "18"])
-def test_resolved_recipe_round_trips(tmp_path, target):
+def test_saved_recipe_keeps_head_counts_whole(tmp_path, target):
     """The recipe.yaml saved next to a run reloads to the same recipe (a head count stays a whole number)."""
     r = load_recipe(BASE, [f"selection.target={target}"])
     path = tmp_path / "recipe.yaml"
