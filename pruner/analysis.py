@@ -173,6 +173,20 @@ def axis_correlation(axis: np.ndarray, sink_mass: np.ndarray) -> dict:
             "spearman": _num(spearmanr(axis, sink_mass).statistic)}
 
 
+def plane_correlation(coords: np.ndarray, sink_mass: np.ndarray) -> float | None:
+    """Multiple correlation R of sink mass with both MDS axes (least squares on the map's position).
+
+    Rotation- and sign-invariant: it catches a map ordered by sink size along any
+    direction, also when a few outlying heads claim the leading axis.
+    """
+    if np.ptp(sink_mass) == 0:
+        return None
+    x = np.column_stack([np.ones(len(coords)), coords])
+    fit = x @ np.linalg.lstsq(x, sink_mass, rcond=None)[0]
+    ss = ((sink_mass - sink_mass.mean()) ** 2).sum()
+    return float(np.sqrt(max(0.0, 1 - ((sink_mass - fit) ** 2).sum() / ss)))
+
+
 def sink_eta2(labels: np.ndarray, sink_mass: np.ndarray) -> float | None:
     """Share of the variance of sink mass explained by the cluster labels (eta squared)."""
     total = ((sink_mass - sink_mass.mean()) ** 2).sum()
@@ -204,6 +218,7 @@ def cluster_convention(dist: Tensor, sink_mass: Tensor, k: int, linkage: str, se
         "mds_stress": stress,
         "mds_axis1_variance_share": float(var[0] / var.sum()) if var.sum() > 0 else None,
         "mds_axis1_vs_sink_mass": axis_correlation(coords[:, 0], s),
+        "mds_plane_vs_sink_mass_r": plane_correlation(coords, s),
         "sink_mass_eta2": sink_eta2(labels, s),
     }
 

@@ -91,8 +91,9 @@ def plot_mds(res: dict, metric: str, path: Path) -> None:
         sc = ax.scatter(xy[:, 0], xy[:, 1], c=s.flatten(), cmap="viridis", vmin=0, vmax=1, s=30)
         for (px, py), li in zip(xy, layer):
             ax.annotate(str(li), (px, py), fontsize=6, xytext=(2, 2), textcoords="offset points")
-        r = c[conv]["mds_axis1_vs_sink_mass"]["pearson"]
-        ax.set_title(f"{CONV_LABEL[conv]}\naxis 1 vs sink mass: r = {_fmt(r)}", fontsize=10)
+        r, big_r = c[conv]["mds_axis1_vs_sink_mass"]["pearson"], c[conv]["mds_plane_vs_sink_mass_r"]
+        ax.set_title(f"{CONV_LABEL[conv]}\nsink mass vs axis 1: r = {_fmt(r)}, vs both axes: R = {_fmt(big_r)}",
+                     fontsize=10)
         ax.set_xlabel("MDS axis 1")
         ax.set_ylabel("MDS axis 2")
     fig.colorbar(sc, ax=list(axes), label="sink mass")
@@ -190,12 +191,15 @@ def summary_rows(res: dict) -> list[list]:
                      + _fmt(c["content"]["mds_axis1_vs_sink_mass"]["pearson"]),
                      _fmt(c["full"]["mds_axis1_vs_sink_mass"]["spearman"]) + " / "
                      + _fmt(c["content"]["mds_axis1_vs_sink_mass"]["spearman"]),
+                     _fmt(c["full"]["mds_plane_vs_sink_mass_r"]) + " / "
+                     + _fmt(c["content"]["mds_plane_vs_sink_mass_r"]),
                      _fmt(c["full"]["sink_mass_eta2"]) + " / " + _fmt(c["content"]["sink_mass_eta2"])])
     return rows
 
 
 SUMMARY_HEADER = ["metric", "NN flip", "pair-order flip", "verdict flip", "redundant FULL -> CONTENT", "ARI",
                   "MDS axis 1 ~ sink, Pearson FULL / CONTENT", "Spearman FULL / CONTENT",
+                  "both MDS axes ~ sink, R FULL / CONTENT",
                   "sink variance explained by clusters FULL / CONTENT"]
 
 
@@ -209,6 +213,7 @@ def _findings(res: dict) -> list[str]:
         o, c = a["overall"], res["clustering"][m]
         rf = _abs(c["full"]["mds_axis1_vs_sink_mass"]["pearson"])
         rc = _abs(c["content"]["mds_axis1_vs_sink_mass"]["pearson"])
+        pf, pc = c["full"]["mds_plane_vs_sink_mass_r"], c["content"]["mds_plane_vs_sink_mass_r"]
         out.append(
             f"{m}: removing the sink gives {_pct(o['nn_flip_rate'])} of heads a different nearest neighbour "
             f"(among all heads of the model), reverses the order of {_pct(o['pair_order_flip_rate'])} of the pairs "
@@ -216,9 +221,12 @@ def _findings(res: dict) -> list[str]:
             f"{_pct(o['verdict_flip_rate'])} of head pairs ({_pct(o['redundant_share_full'])} redundant with the "
             f"sink, {_pct(o['redundant_share_content'])} without). The two clusterings agree with ARI "
             f"{c['ari']:.2f} (1 = identical, 0 = chance); the leading MDS axis follows sink mass with "
-            f"r = {_fmt(rf)} with the sink included and r = {_fmt(rc)} with it removed"
-            + (" -- the sink-included map is largely a map of sink size." if rf is not None and rc is not None
-               and rf >= 0.7 and rf - rc >= 0.2 else "."))
+            f"r = {_fmt(rf)} with the sink included and r = {_fmt(rc)} with it removed, and the position in the "
+            f"map (both axes) with R = {_fmt(pf)} and R = {_fmt(pc)}; the clusters explain "
+            f"{_pct(c['full']['sink_mass_eta2'])} and {_pct(c['content']['sink_mass_eta2'])} of the variance of "
+            "sink mass"
+            + (" -- the sink-included map is largely a map of sink size." if pf is not None and pc is not None
+               and pf >= 0.7 and pf - pc >= 0.2 else "."))
     e = res["entropy"]
     rho = e["full_vs_sink_mass_spearman"]
     out.append(f"Entropy: {e['mean_full']:.2f} nats per head on full rows, {e['mean_content']:.2f} on content "

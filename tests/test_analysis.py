@@ -104,11 +104,23 @@ def test_clustering_finds_groups_and_the_leading_axis_follows_them():
     labels = np.asarray(res["labels"]).flatten()
     assert len(set(labels[:6])) == 1 and len(set(labels[6:])) == 1 and labels[0] != labels[6]
     assert res["mds_axis1_vs_sink_mass"]["pearson"] > 0.99  # oriented positive, groups split on axis 1
-    assert res["sink_mass_eta2"] > 0.99
+    assert res["sink_mass_eta2"] > 0.99 and res["mds_plane_vs_sink_mass_r"] > 0.99
     xy = np.asarray(res["mds"]).reshape(-1, 2)
     assert xy[:, 0].var() >= xy[:, 1].var()  # rotated to principal axes
     same = analysis.cluster_metric(1 - d, 1 - d, sink, True, analysis.AnalysisConfig(clusters=2), 2)
     assert same["ari"] == 1.0
+
+
+@pytest.mark.unit
+def test_plane_correlation_is_rotation_invariant():
+    g = np.random.default_rng(0)
+    xy = g.normal(size=(30, 2))
+    sink = 0.3 * xy[:, 1] + 0.5  # sink size along axis 2 only
+    assert abs(np.corrcoef(xy[:, 0], sink)[0, 1]) < 0.5
+    assert analysis.plane_correlation(xy, sink) == pytest.approx(1.0)
+    rot = np.array([[np.cos(1.0), -np.sin(1.0)], [np.sin(1.0), np.cos(1.0)]])
+    noisy = sink + 0.1 * g.normal(size=30)
+    assert analysis.plane_correlation(xy @ rot, noisy) == pytest.approx(analysis.plane_correlation(xy, noisy))
 
 
 @pytest.mark.unit

@@ -161,6 +161,7 @@ def test_analyze_encoder_writes_json_report_and_figures(tmp_path, capsys):
             _assert_layer_head(c[conv]["labels"], 6, 12)
             assert len({x for row in c[conv]["labels"] for x in row}) == res["clustering"]["n_clusters"] == 6
             assert set(c[conv]["mds_axis1_vs_sink_mass"]) == {"pearson", "spearman"}
+            assert 0 <= c[conv]["mds_plane_vs_sink_mass_r"] <= 1
     assert res["audit"]["cosine"]["overall"]["nn_flip_rate"] > 0  # with real sinks, some conclusions flip
     assert "entropy_attribution" not in res
     files = {p.name for p in out.iterdir()}
