@@ -143,7 +143,7 @@ def plot_attribution(res: dict, path: Path) -> None:
     ax.axhline(0, color="k", lw=0.6)
     ax.set_xticks(x, labels)
     ax.set_ylabel("mean entropy change per head (nats)")
-    ax.set_title(f"{att['reference']} -> {res['model']}: sink share {_pct(ov['sink_share'])}", fontsize=10)
+    ax.set_title(f"{att['reference']} -> {res['model']}: sink share {pct(ov['sink_share'])}", fontsize=10)
     ax.legend(fontsize=8)
     _save(fig, path)
 
@@ -170,7 +170,7 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _pct(x) -> str:
+def pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
@@ -183,9 +183,9 @@ def summary_rows(res: dict) -> list[list]:
     rows = []
     for m, a in res["audit"].items():
         o, c = a["overall"], res["clustering"][m]
-        rows.append([m, _pct(o["nn_flip_rate"]), _pct(o["pair_order_flip_rate"]),
-                     f"{_pct(o['verdict_flip_rate'])} (t = {a['threshold']:.3g})",
-                     f"{_pct(o['redundant_share_full'])} -> {_pct(o['redundant_share_content'])}",
+        rows.append([m, pct(o["nn_flip_rate"]), pct(o["pair_order_flip_rate"]),
+                     f"{pct(o['verdict_flip_rate'])} (t = {a['threshold']:.3g})",
+                     f"{pct(o['redundant_share_full'])} -> {pct(o['redundant_share_content'])}",
                      _fmt(c["ari"]),
                      _fmt(c["full"]["mds_axis1_vs_sink_mass"]["pearson"]) + " / "
                      + _fmt(c["content"]["mds_axis1_vs_sink_mass"]["pearson"]),
@@ -215,15 +215,15 @@ def _findings(res: dict) -> list[str]:
         rc = _abs(c["content"]["mds_axis1_vs_sink_mass"]["pearson"])
         pf, pc = c["full"]["mds_plane_vs_sink_mass_r"], c["content"]["mds_plane_vs_sink_mass_r"]
         out.append(
-            f"{m}: removing the sink gives {_pct(o['nn_flip_rate'])} of heads a different nearest neighbour "
-            f"(among all heads of the model), reverses the order of {_pct(o['pair_order_flip_rate'])} of the pairs "
+            f"{m}: removing the sink gives {pct(o['nn_flip_rate'])} of heads a different nearest neighbour "
+            f"(among all heads of the model), reverses the order of {pct(o['pair_order_flip_rate'])} of the pairs "
             f"of head pairs, and changes the \"redundant\" verdict ({a['redundant_if']} {a['threshold']:.3g}) of "
-            f"{_pct(o['verdict_flip_rate'])} of head pairs ({_pct(o['redundant_share_full'])} redundant with the "
-            f"sink, {_pct(o['redundant_share_content'])} without). The two clusterings agree with ARI "
+            f"{pct(o['verdict_flip_rate'])} of head pairs ({pct(o['redundant_share_full'])} redundant with the "
+            f"sink, {pct(o['redundant_share_content'])} without). The two clusterings agree with ARI "
             f"{c['ari']:.2f} (1 = identical, 0 = chance); the leading MDS axis follows sink mass with "
             f"r = {_fmt(rf)} with the sink included and r = {_fmt(rc)} with it removed, and the position in the "
             f"map (both axes) with R = {_fmt(pf)} and R = {_fmt(pc)}; the clusters explain "
-            f"{_pct(c['full']['sink_mass_eta2'])} and {_pct(c['content']['sink_mass_eta2'])} of the variance of "
+            f"{pct(c['full']['sink_mass_eta2'])} and {pct(c['content']['sink_mass_eta2'])} of the variance of "
             "sink mass"
             + (" -- the sink-included map is largely a map of sink size." if pf is not None and pc is not None
                and pf >= 0.7 and pf - pc >= 0.2 else "."))
@@ -241,7 +241,7 @@ def _findings(res: dict) -> list[str]:
             f"{ov['delta']:+.3f} nats per head on average (full entropy {ov['entropy_full_reference']:.2f} -> "
             f"{ov['entropy_full']:.2f}, sink mass {ov['sink_mass_reference']:.2f} -> {ov['sink_mass']:.2f}); "
             f"sink part {ov['sink_part']:+.3f}, content part {ov['content_part']:+.3f}: "
-            f"**{_pct(ov['sink_share'])} of the change is sink**.")
+            f"**{pct(ov['sink_share'])} of the change is sink**.")
     return out
 
 
@@ -265,8 +265,8 @@ def report_markdown(res: dict, figures: list[str]) -> str:
         p = a["per_layer"]
         lines += [f"**{m}**", "", markdown_table(
             ["layer", "NN flip", "pair-order flip", "verdict flip", "redundant FULL -> CONTENT"],
-            [[i, _pct(p["nn_flip_rate"][i]), _pct(p["pair_order_flip_rate"][i]), _pct(p["verdict_flip_rate"][i]),
-              f"{_pct(p['redundant_share_full'][i])} -> {_pct(p['redundant_share_content'][i])}"]
+            [[i, pct(p["nn_flip_rate"][i]), pct(p["pair_order_flip_rate"][i]), pct(p["verdict_flip_rate"][i]),
+              f"{pct(p['redundant_share_full'][i])} -> {pct(p['redundant_share_content'][i])}"]
              for i in range(res["n_layers"])]), ""]
     lines += ["![flip rates](flip_rates.png)", ""]
     lines += ["## Clustering and MDS maps", "",
@@ -285,10 +285,10 @@ def report_markdown(res: dict, figures: list[str]) -> str:
                   "layers and the whole model are means over heads.", "",
                   markdown_table(["layer", "full-entropy change", "sink part", "content part", "sink share"],
                                  [[i, f"{per['delta'][i]:+.3f}", f"{per['sink_part'][i]:+.3f}",
-                                   f"{per['content_part'][i]:+.3f}", _pct(per["sink_share"][i])]
+                                   f"{per['content_part'][i]:+.3f}", pct(per["sink_share"][i])]
                                   for i in range(len(per["delta"]))]
                                  + [["all", f"{ov['delta']:+.3f}", f"{ov['sink_part']:+.3f}",
-                                     f"{ov['content_part']:+.3f}", _pct(ov["sink_share"])]]), "",
+                                     f"{ov['content_part']:+.3f}", pct(ov["sink_share"])]]), "",
                   "![entropy attribution](entropy_attribution.png)", ""]
     lines += ["Files: `analysis.json` (every number above), " + ", ".join(f"`{f}`" for f in figures) + "."]
     return "\n".join(lines) + "\n"

@@ -94,14 +94,28 @@ def _thresholds(items: list[str] | None) -> dict[str, float]:
     return out
 
 
-def _analyze(args: argparse.Namespace) -> int:
+def _analysis_header(args, spec, unit: str, samples: int, stats) -> dict:
+    """What was analysed, on which rows: the first keys of analysis.json."""
     import dataclasses
+
+    from pruner import __version__
+
+    return {"pruner_version": __version__, "model": args.model, "compare_to": args.compare_to,
+            "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
+            "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
+            "sinks": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()},
+            "data": {"source": args.data, "unit": unit, "samples": samples, "max_length": args.max_length,
+                     "seed": args.seed, "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
+                     "excluded_rows": int(stats.excluded_rows[0])}}
+
+
+def _analyze(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
     import torch
 
-    from pruner import __version__, analysis, models, report
+    from pruner import analysis, arch, models, report
     from pruner import analysis_report as ar
     from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
 
@@ -120,6 +134,10 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.compare_to:
         _same_tokenizer(tok, models.load_tokenizer(args.compare_to), (args.model, args.compare_to))
         reference = models.load_model(args.compare_to)
+        shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
+        if shape(model) != shape(reference):
+            raise ValueError(f"--compare-to needs the same layers x heads: {args.model} has {shape(model)}, "
+                             f"{args.compare_to} {shape(reference)}")
     spec = _parse_sinks(args.sinks, causal)
     batch, unit = _samples(args, tok, causal)
     if spec.mode == "auto":
@@ -127,13 +145,7 @@ def _analyze(args: argparse.Namespace) -> int:
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
     print(f"{args.model}: {len(batch)} {unit} of {args.data}, sinks {spec.mode}; every head against every head")
     stats = capture_stats(model, batch, spec, tok, cap_config, batch_size=args.batch_size, progress=True)
-    res = {"pruner_version": __version__, "model": args.model, "compare_to": args.compare_to,
-           "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
-           "metrics": list(metrics),
-           "sinks": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()},
-           "data": {"source": args.data, "unit": unit, "samples": len(batch), "max_length": args.max_length,
-                    "seed": args.seed, "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
-                    "excluded_rows": int(stats.excluded_rows[0])}}
+    res = _analysis_header(args, spec, unit, len(batch), stats)
     print("clustering and MDS ...")
     res.update(analysis.analyze(stats, config))
     if reference is not None:
@@ -155,7 +167,7 @@ def _analyze(args: argparse.Namespace) -> int:
     if reference is not None:
         ov = res["entropy_attribution"]["overall"]
         print(f"\nentropy {args.compare_to} -> {args.model}: {ov['delta']:+.3f} nats per head = sink "
-              f"{ov['sink_part']:+.3f} + content {ov['content_part']:+.3f} (sink share {ar._pct(ov['sink_share'])})")
+              f"{ov['sink_part']:+.3f} + content {ov['content_part']:+.3f} (sink share {ar.pct(ov['sink_share'])})")
     print(f"\nwrote {out}/ (analysis.json, report.md, {', '.join(figures)})")
     return 0
 
