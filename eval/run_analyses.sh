@@ -37,7 +37,8 @@ for run in ("minilm", "minilm-causal", "gpt2-shakespeare", "llama-shakespeare", 
         print(f"| {run} | {m} | {f(o['nn_flip_rate'])} | {f(o['pair_order_flip_rate'])} | "
               f"{f(o['verdict_flip_rate'])} ({a['threshold']:.3f}) | {f(c['ari'])} | {cor('pearson')} | "
               f"{cor('spearman')} | {f(c['full']['mds_plane_vs_sink_mass_r'])} / "
-              f"{f(c['content']['mds_plane_vs_sink_mass_r'])} | {f(c['full']['sink_mass_eta2'])} / {f(c['content']['sink_mass_eta2'])} |")
+              f"{f(c['content']['mds_plane_vs_sink_mass_r'])} | {f(c['full']['sink_mass_eta2'])} / "
+              f"{f(c['content']['sink_mass_eta2'])} |")
 print()
 for run in ("minilm-causal-vs-init", "llama-vs-early"):
     r = json.loads((Path(sys.argv[1]) / run / "analysis.json").read_text())
