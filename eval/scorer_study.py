@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pruner import arch, assets, data, models, surgery  # noqa: E402
-from pruner import composition as cp  # noqa: E402
 from pruner.calibrate import calibrate  # noqa: E402
 from pruner.capture import CaptureConfig  # noqa: E402
 from pruner.evaluate import paired_delta, sliding_windows, window_nll  # noqa: E402

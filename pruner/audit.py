@@ -22,3 +22,50 @@ def nearest_neighbours(m: Tensor, similarity: bool) -> Tensor:
 def nn_flip_rate(full: Tensor, content: Tensor, similarity: bool) -> Tensor:
     """Per layer, the share of heads whose nearest neighbour changes between conventions. (layer,)"""
     return (nearest_neighbours(full, similarity) != nearest_neighbours(content, similarity)).double().mean(-1)
+
+
+def upper_pairs(m: Tensor) -> Tensor:
+    """The values of each unordered head pair (i < j), row-major. (..., head, head) -> (..., pair)."""
+    i, j = torch.triu_indices(m.shape[-1], m.shape[-1], offset=1, device=m.device)
+    return m[..., i, j]
+
+
+def discordant_share(x: Tensor, y: Tensor, block: int = 2048) -> Tensor:
+    """Share of pairs (P, Q) of items ordered oppositely by x and by y. x, y: (n,) -> ().
+
+    Discordant means (x_P - x_Q)(y_P - y_Q) < 0; a tie in either is not a
+    reversal. Over all n(n-1)/2 pairs this is (1 - tau_a) / 2, Kendall's tau-a,
+    which equals tau-b when there are no ties. Exact, O(n^2) in row blocks of
+    `block` (memory block x n): 2,556 head pairs for 72 heads is instant; a
+    512-head model's 130,816 pairs take seconds.
+    """
+    n = x.numel()
+    if n < 2:
+        raise ValueError("need at least two items to compare orders")
+    x, y = x.double().flatten(), y.double().flatten()
+    count = torch.zeros((), dtype=torch.float64)
+    for s in range(0, n, block):
+        dx = torch.sign(x[s:s + block, None] - x[None, :])  # (b, n)
+        dy = torch.sign(y[s:s + block, None] - y[None, :])
+        count += ((dx * dy) < 0).sum()
+    return count / 2 / (n * (n - 1) / 2)  # every unordered pair was seen twice
+
+
+def pair_order_flip_rate(full: Tensor, content: Tensor) -> Tensor:
+    """Share of pairs of head pairs whose similarity order reverses between conventions. ()
+
+    full, content: (head, head) matrices of one metric; the direction of the
+    metric does not matter (a reversal is a reversal).
+    """
+    return discordant_share(upper_pairs(full), upper_pairs(content))
+
+
+def verdict_flip_rate(full: Tensor, content: Tensor, threshold: float, similarity: bool) -> Tensor:
+    """Share of head pairs whose "redundant" verdict changes between conventions. ()
+
+    Redundant means similarity >= threshold, or distance <= threshold; the same
+    threshold is applied to both conventions, as someone who fixed it on one
+    convention and then switched would do.
+    """
+    redundant = (lambda m: m >= threshold) if similarity else (lambda m: m <= threshold)
+    return (redundant(upper_pairs(full)) != redundant(upper_pairs(content))).double().mean()

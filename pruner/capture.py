@@ -7,6 +7,15 @@ SDPA, untouched, and (2) recomputes the pre-softmax scores in query chunks
 chunk, O(batch x heads x chunk x T). The model's attention implementation is
 restored on exit, whatever happens inside.
 
+`CaptureConfig(across_layers=True)` compares every head with every head of the
+model (`HeadStats.model_pairs`, for clustering and maps of all heads): each
+layer's post-RoPE queries and (GQA-repeated) keys are kept until the forward
+pass ends, then the scores of all layers are stacked on one head axis and folded
+chunk by chunk. Extra memory: the kept q and k, 2 x layers x batch x heads x T x
+d_head, plus one stacked chunk O(batch x layers*heads x chunk x T) and its pair
+matrices O(batch x chunk x (layers*heads)^2) -- bounded by the batch, fine at
+analysis sizes, not meant for long contexts of large models.
+
     with Capture(model, sinks, tokenizer) as cap:
         cap.run(batch)                      # any number of batches
     head_stats = cap.result()               # pruner.stats.HeadStats
@@ -37,10 +46,13 @@ class CaptureConfig:
     metrics: tuple[str, ...] = ("cosine", "js")
     dormant_threshold: float = 0.9
     outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
+    across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.across_layers and self.outputs:
+            raise ValueError("across_layers and outputs cannot be captured together")
         bad = set(self.metrics) - set(st.PAIR_METRICS)
         if bad:
             raise ValueError(f"unknown pair metrics {sorted(bad)}; valid: {', '.join(st.PAIR_METRICS)}")
@@ -96,6 +108,8 @@ class Capture:
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
         self._residual: torch.Tensor | None = None  # (layer,) sums of ||h||^2 over real tokens
         self._tokens = 0
+        self._kept: dict[int, tuple] = {}  # across_layers: layer -> (query, key, mask, scale, causal)
+        self._n_layers = 0  # across_layers: self.layers holds one stacked entry of all layers' heads
 
     def __enter__(self) -> "Capture":
         global _ACTIVE
@@ -131,8 +145,11 @@ class Capture:
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
                 out = forward(self.model, ids, mask2d, output_hidden_states=self.config.outputs)
+                if self._kept:
+                    self._fold_across_layers()
             finally:
                 self._batch = None
+                self._kept = {}
             if self.config.outputs:  # the residual stream each layer's heads write into
                 keep = mask2d.bool()
                 sq = torch.stack([h[keep].double().pow(2).sum() for h in out.hidden_states[:-1]]).cpu()
@@ -150,6 +167,9 @@ class Capture:
         value = value.repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
+        if self.config.across_layers and self.sinks.mode != "auto":
+            self._kept[module.layer_idx] = (query, key, mask, scale, causal)
+            return
         total = None
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
@@ -165,6 +185,29 @@ class Capture:
             return
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+
+    def _fold_across_layers(self) -> None:
+        """Stack every layer's scores on one head axis (layer-major) and fold them, chunk by chunk."""
+        mask2d, sink, rows = self._batch
+        kept = [self._kept[i] for i in sorted(self._kept)]
+        if len({q.shape[1] for q, *_ in kept}) != 1:
+            raise ValueError("across_layers needs the same number of query heads in every layer")
+        T = kept[0][0].shape[2]
+        total = None
+        for q0 in range(0, T, self.config.chunk_size):
+            q1 = min(T, q0 + self.config.chunk_size)
+            valid = valid_keys(kept[0][2], mask2d, q0, q1, kept[0][4])  # (B, 1, c, K)
+            for _, _, mask, _, causal in kept[1:]:
+                if not torch.equal(valid_keys(mask, mask2d, q0, q1, causal), valid):
+                    raise ValueError("across_layers needs the same attention mask in every layer "
+                                     "(sliding-window layers are not supported)")
+            z = torch.cat([(q[:, :, q0:q1] @ k.transpose(-1, -2)) * scale
+                           for q, k, _, scale, _ in kept], dim=1)  # (B, L * H, c, K)
+            part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
+                                  self.config.dormant_threshold)
+            total = part if total is None else total + part
+        self.layers[0] = total if 0 not in self.layers else self.layers[0] + total
+        self._n_layers = len(kept)
 
     def _receive(self, z: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor) -> None:
         """Add attention received by each key, summed over heads and counted query rows."""
@@ -200,6 +243,8 @@ class Capture:
         if not self.layers:
             raise ValueError("nothing captured: run at least one batch")
         stats = st.finalize([self.layers[i] for i in sorted(self.layers)])
+        if self.config.across_layers:
+            return st.unstack_layers(stats, self._n_layers)
         if self._residual is not None:
             stats = dataclasses.replace(stats, residual=self._residual / self._tokens)
         return stats

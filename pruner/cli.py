@@ -69,6 +69,126 @@ def _sinks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _samples(args, tok, causal: bool):
+    """The token rows of `--data`: windows (decoder default) or lines (encoder default)."""
+    from pruner import data
+
+    texts = data.load_texts(data.TextSource(args.data))
+    unit = args.unit or ("windows" if causal else "lines")
+    if unit == "windows":
+        batch = data.token_windows(tok, texts, args.max_length, bos=not args.no_bos,
+                                   num_samples=args.num_samples, seed=args.seed)
+    else:
+        batch = data.line_samples(tok, texts, args.max_length, num_samples=args.num_samples, seed=args.seed)
+    return batch, unit
+
+
+def _same_tokenizer(a, b, names: tuple[str, str]) -> None:
+    if a.get_vocab() != b.get_vocab() or a.all_special_ids != b.all_special_ids:
+        raise ValueError(f"--compare-to needs the same tokenizer (the same token rows): {names[0]} and "
+                         f"{names[1]} tokenise differently")
+
+
+def _thresholds(items: list[str] | None) -> dict[str, float]:
+    """`cosine=0.5` (repeatable) -> {"cosine": 0.5}."""
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--threshold takes METRIC=VALUE, got {item!r}")
+        out[name.strip()] = float(value)
+    return out
+
+
+def _analysis_header(args, spec, unit: str, samples: int, stats) -> dict:
+    """What was analysed, on which rows: the first keys of analysis.json."""
+    import dataclasses
+
+    from pruner import __version__
+
+    return {"pruner_version": __version__, "model": args.model, "compare_to": args.compare_to,
+            "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
+            "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
+            "sinks": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()},
+            "data": {"source": args.data, "unit": unit, "samples": samples, "max_length": args.max_length,
+                     "seed": args.seed, "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
+                     "excluded_rows": int(stats.excluded_rows[0])}}
+
+
+def _analysis(args: argparse.Namespace, config, cap_config, folder):
+    """Load, capture, analyse and write analysis.json, report.md and the figures into `folder`."""
+    import json
+
+    from pruner import analysis, arch, models
+    from pruner import analysis_report as ar
+    from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
+    from pruner.sinks import check_content
+
+    model, tok = models.load_model(args.model), models.load_tokenizer(args.model)
+    causal = models.attends_causally(model)
+    reference = None
+    if args.compare_to:
+        _same_tokenizer(tok, models.load_tokenizer(args.compare_to), (args.model, args.compare_to))
+        reference = models.load_model(args.compare_to)
+        shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
+        if shape(model) != shape(reference):
+            raise ValueError(f"--compare-to needs the same layers x heads: {args.model} has {shape(model)}, "
+                             f"{args.compare_to} {shape(reference)}")
+    spec = _parse_sinks(args.sinks, causal)
+    batch, unit = _samples(args, tok, causal)
+    if spec.mode == "auto":
+        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
+        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    check_content(batch.input_ids, batch.attention_mask, spec, tok)
+    print(f"{args.model}: {len(batch)} {unit} of {args.data}, sinks {spec.mode}; every head against every head")
+    stats = capture_stats(model, batch, spec, tok, cap_config, batch_size=args.batch_size, progress=True)
+    res = _analysis_header(args, spec, unit, len(batch), stats)
+    print("clustering and MDS ...")
+    res.update(analysis.analyze(stats, config))
+    if reference is not None:
+        print(f"{args.compare_to}: the same {len(batch)} {unit}")
+        ref = capture_stats(reference, batch, spec, tok, CaptureConfig(chunk_size=args.chunk_size, metrics=()),
+                            batch_size=args.batch_size, progress=True)
+        res["entropy_attribution"] = {"reference": args.compare_to, **analysis.entropy_attribution(ref, stats),
+                                      "reference_heads": analysis.head_tables(ref)}
+    (folder / "analysis.json").write_text(json.dumps(res, indent=1) + "\n")
+    figures = ar.write_figures(res, folder)
+    (folder / "report.md").write_text(ar.report_markdown(res, figures))
+    return res, reference, figures
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from pruner import analysis, report
+    from pruner import analysis_report as ar
+    from pruner.capture import CaptureConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    metrics = tuple(m.strip() for m in args.metrics.split(",") if m.strip())
+    config = analysis.AnalysisConfig(metrics=metrics, thresholds=_thresholds(args.threshold),
+                                     clusters=args.clusters, seed=args.seed)
+    cap_config = CaptureConfig(chunk_size=args.chunk_size, metrics=metrics, across_layers=True)
+    out = Path(args.out)
+    tmp, commit, abort = report.atomic_dir(out, args.overwrite)  # unwritable or existing: fail before compute
+    try:
+        res, reference, figures = _analysis(args, config, cap_config, tmp)
+        commit()
+    except BaseException:
+        abort()
+        raise
+    print("\n" + report.markdown_table(ar.SUMMARY_HEADER, ar.summary_rows(res)))
+    if reference is not None:
+        ov = res["entropy_attribution"]["overall"]
+        print(f"\nentropy {args.compare_to} -> {args.model}: {ov['delta']:+.3f} nats per head = sink "
+              f"{ov['sink_part']:+.3f} + content {ov['content_part']:+.3f} (sink share {ar.pct(ov['sink_share'])})")
+    print(f"\nwrote {out}/ (analysis.json, report.md, {', '.join(figures)})")
+    return 0
+
+
 def _load_recipe(args):
     from pruner.recipe import load_recipe
 
@@ -214,6 +334,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--threads", type=int, default=None)
     sp.set_defaults(func=_sinks)
+
+    an = sub.add_parser("analyze", parents=[common],
+                        help="convention audit: flip rates, clustering, MDS, entropy attribution",
+                        description="Compare every head with every head with the sink included (FULL) and "
+                                    "removed (CONTENT): which conclusions flip, whether clusters and MDS maps "
+                                    "follow sink mass, and (with --compare-to) how much of an entropy change "
+                                    "is sink. Writes analysis.json, report.md and figures to --out.")
+    an.add_argument("model", help="shipped checkpoint name, local folder or Hub id")
+    an.add_argument("--data", default="shakespeare:evaluation",
+                    help="shakespeare:<split>, a local .txt file/folder, or a Hub dataset id")
+    an.add_argument("--out", required=True, help="output folder (written atomically)")
+    an.add_argument("--sinks", default=None,
+                    help="first | bos | special | auto | ids:ID,... | positions:P,... (default by model)")
+    an.add_argument("--unit", choices=("windows", "lines"), default=None,
+                    help="fixed-length windows (decoder default) or one sample per non-empty line (encoder "
+                         "default)")
+    an.add_argument("--max-length", type=int, default=128, help="window length / max line length in tokens")
+    an.add_argument("--num-samples", type=int, default=64)
+    an.add_argument("--compare-to", default=None, metavar="MODEL2",
+                    help="a paired state with the same tokenizer (e.g. an earlier checkpoint): attribute the "
+                         "entropy change MODEL2 -> MODEL to sink and content")
+    an.add_argument("--metrics", default="cosine,js", help="comma-separated pair metrics (cosine, js, hellinger, "
+                                                          "tv, aitchison)")
+    an.add_argument("--threshold", action="append", metavar="METRIC=T",
+                    help="redundancy threshold for the verdict flip rate (default: the median FULL value)")
+    an.add_argument("--clusters", type=int, default=None, help="number of clusters (default round(sqrt(heads/2)))")
+    an.add_argument("--no-bos", action="store_true", help="do not start decoder windows with BOS")
+    an.add_argument("--batch-size", type=int, default=8)
+    an.add_argument("--chunk-size", type=int, default=128, help="query rows per chunk (memory)")
+    an.add_argument("--seed", type=int, default=0)
+    an.add_argument("--threads", type=int, default=None)
+    an.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    an.set_defaults(func=_analyze)
 
     def recipe_args(p):
         p.add_argument("recipe", help="YAML recipe (see recipes/)")

@@ -15,6 +15,14 @@ import torch
 from pruner import assets
 
 MINILM_READOUT_FILE = "readout.safetensors"
+# Named states that load another checkpoint's weights with a different config: name -> (base, overrides).
+# `minilm-causal-init`: all-MiniLM-L6-v2 run causally (BertLMHeadModel, is_decoder, LM head tied to the
+# word embeddings) before any causal fine-tuning -- the starting point of `minilm-causal`, built as
+# eval/train_reference.py builds it. Its LM-head transform is untrained (seeded); attention is not affected.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "minilm-causal-init": ("minilm", {"is_decoder": True, "tie_word_embeddings": True,
+                                      "architectures": ["BertLMHeadModel"]}),
+}
 # tied, so not stored: decoder weight = word embeddings, decoder bias = predictions.bias
 TIED_READOUT_KEYS = {"predictions.decoder.weight", "predictions.decoder.bias"}
 
@@ -70,6 +78,8 @@ def mask_tokens(ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer, prob
 
 def resolve(name_or_path: str) -> str:
     """A shipped checkpoint name (e.g. `minilm-causal`), a local folder, or a Hub id (as given)."""
+    if name_or_path in VARIANTS:
+        return resolve(VARIANTS[name_or_path][0])
     if name_or_path in assets.CHECKPOINTS:
         return str(assets.checkpoint(name_or_path))
     if name_or_path == "minilm":
@@ -128,14 +138,27 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`.
 
     `device_map` (e.g. "auto") is passed to transformers/accelerate for models
-    larger than one device; otherwise the model is moved to `device`.
+    larger than one device; otherwise the model is moved to `device`. A name in
+    `VARIANTS` loads its base weights with the variant's config.
     """
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
     path = resolve(name_or_path)
-    cls = auto_class(_from_hub(AutoConfig.from_pretrained, name_or_path, "model"))
+    overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
+    config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
+    cls = auto_class(config)
     kw = {"device_map": device_map} if device_map else {}
-    model = cls.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kw)
+    verbosity = hf_logging.get_verbosity()
+    if overrides:  # a variant's new head is missing from its base checkpoint by design
+        hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # weights a variant adds are initialised the same way every time
+            model = cls.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
+                                        attn_implementation=attn_implementation, **kw)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
 

@@ -13,7 +13,10 @@ Definitions (DESIGN section 5):
   >= 2 content keys (the others carry no content information; counted);
 - FULL pairwise metrics: means over all head-level rows;
 - pairwise head x head matrices are within a layer: the mean over the query rows
-  the two heads share (all of them) of the per-row metric.
+  the two heads share (all of them) of the per-row metric. Across layers
+  (`unstack_layers`), every head of the model is compared with every other: the
+  layers see the same query tokens, so stacking all layers' heads on one head
+  axis and running the same `chunk_stats` gives the model-wide matrices.
 """
 
 from __future__ import annotations
@@ -224,6 +227,7 @@ class HeadStats:
     pairs: dict[str, Tensor]
     outputs: list[OutputMoments] | None = None  # per layer, sums (see OutputMoments)
     residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
+    model_pairs: dict[str, Tensor] | None = None  # (layer * head, layer * head), layer-major; see unstack_layers
 
 
 def finalize(layers: list[LayerStats]) -> HeadStats:
@@ -249,3 +253,29 @@ def finalize(layers: list[LayerStats]) -> HeadStats:
         h_content_weighted=st("rest_h_content") / st("rest").clamp_min(1e-300),
         rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs,
         outputs=None if layers[0].outputs is None else [s.outputs for s in layers])
+
+
+def unstack_layers(stacked: HeadStats, n_layers: int) -> HeadStats:
+    """Per-layer statistics from one capture whose "layer" held every head of the model.
+
+    `stacked` is `finalize` of a single `LayerStats` over the layer-major stacked
+    head axis (layer * head). Per-head fields become (layer, head); the within-layer
+    pairs are the diagonal blocks (layer, head, head), exactly what a per-layer
+    capture gives; the whole matrices are kept as `model_pairs`.
+    """
+    n = stacked.sink_mass.shape[-1]
+    if stacked.sink_mass.shape[0] != 1 or n % n_layers:
+        raise ValueError(f"expected one stacked layer of layer * head heads, got {tuple(stacked.sink_mass.shape)}")
+    H = n // n_layers
+    per_head = lambda x: x.reshape(n_layers, H)  # noqa: E731
+    per_layer = lambda x: x.expand(n_layers).clone()  # noqa: E731  the same query rows in every layer
+    model_pairs = {k: v[0] for k, v in stacked.pairs.items()}  # (L*H, L*H)
+    blocks = {k: torch.stack([m[i * H:(i + 1) * H, i * H:(i + 1) * H] for i in range(n_layers)])
+              for k, m in model_pairs.items()}
+    return HeadStats(
+        sink_mass=per_head(stacked.sink_mass), entropy_full=per_head(stacked.entropy_full),
+        entropy_content=per_head(stacked.entropy_content), dormancy=per_head(stacked.dormancy),
+        g=per_head(stacked.g), rest=per_head(stacked.rest),
+        h_content_weighted=per_head(stacked.h_content_weighted),
+        rows=per_layer(stacked.rows), content_rows=per_layer(stacked.content_rows),
+        excluded_rows=per_layer(stacked.excluded_rows), pairs=blocks, model_pairs=model_pairs)

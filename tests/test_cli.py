@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pruner.cli import main
@@ -21,7 +22,7 @@ def test_version_and_help(capsys):
     assert e.value.code == 0 and "pruner 0.1.0" in capsys.readouterr().out
     assert main([]) == 0
     out = capsys.readouterr().out
-    for cmd in ("sinks", "prune", "compare", "export"):
+    for cmd in ("sinks", "prune", "compare", "analyze", "export"):
         assert cmd in out
 
 
@@ -133,3 +134,71 @@ def test_compare_reports_infeasible_sparsities_and_goes_on(tmp_path, capsys):
     assert "error" in records[0] and records[0]["sparsity"] == 0.1
     assert records[1]["pruned_heads"] == 8
     assert "n/a" in capsys.readouterr().out
+
+
+def _assert_layer_head(table, layers: int, heads: int):
+    assert len(table) == layers and all(len(row) == heads for row in table)
+
+
+def test_analyze_encoder_writes_json_report_and_figures(tmp_path, capsys):
+    out = tmp_path / "an"
+    rc = main(["analyze", "minilm", "--sinks", "special", "--unit", "lines", "--num-samples", "12",
+               "--max-length", "32", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "analysis.json").read_text())
+    assert (res["n_layers"], res["n_heads"]) == (6, 12) and res["sinks"]["mode"] == "special"
+    for key in ("sink_mass", "entropy_full", "entropy_content"):
+        _assert_layer_head(res["heads"][key], 6, 12)
+    assert 0.3 < sum(map(sum, res["heads"]["sink_mass"])) / 72 < 1  # [CLS]/[SEP] take much of each row
+    for metric in ("cosine", "js"):
+        a = res["audit"][metric]
+        assert a["similarity"] == (metric == "cosine") and isinstance(a["threshold"], float)
+        for key in ("nn_flip_rate", "pair_order_flip_rate", "verdict_flip_rate"):
+            assert 0 <= a["overall"][key] <= 1 and len(a["per_layer"][key]) == 6
+        c = res["clustering"][metric]
+        assert -1 <= c["ari"] <= 1
+        for conv in ("full", "content"):
+            _assert_layer_head(c[conv]["labels"], 6, 12)
+            assert len({x for row in c[conv]["labels"] for x in row}) == res["clustering"]["n_clusters"] == 6
+            assert set(c[conv]["mds_axis1_vs_sink_mass"]) == {"pearson", "spearman"}
+            assert 0 <= c[conv]["mds_plane_vs_sink_mass_r"] <= 1
+    assert res["audit"]["cosine"]["overall"]["nn_flip_rate"] > 0  # with real sinks, some conclusions flip
+    assert "entropy_attribution" not in res
+    files = {p.name for p in out.iterdir()}
+    assert {"analysis.json", "report.md", "sink_mass.png", "entropy.png", "flip_rates.png", "mds_cosine.png",
+            "mds_js.png"} == files
+    report = (out / "report.md").read_text()
+    assert "## Key findings" in report and "](mds_cosine.png)" in report and "](flip_rates.png)" in report
+    assert "ARI" in capsys.readouterr().out
+    # an existing output folder is refused before any compute, and left intact
+    assert main(["analyze", "minilm", "--num-samples", "4", "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert json.loads((out / "analysis.json").read_text()) == res
+
+
+def test_analyze_compare_to_attributes_the_entropy_change(tmp_path, capsys):
+    out = tmp_path / "llama"
+    rc = main(["analyze", "llama-shakespeare", "--compare-to", "llama-shakespeare-early", "--num-samples", "4",
+               "--max-length", "32", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "analysis.json").read_text())
+    att = res["entropy_attribution"]
+    assert att["reference"] == "llama-shakespeare-early" and res["data"]["unit"] == "windows"
+    for level in ("per_head", "per_layer"):
+        d, s, c = (np.asarray(att[level][k]) for k in ("delta", "sink_part", "content_part"))
+        np.testing.assert_allclose(s + c, d, rtol=0, atol=1e-6)
+    ov = att["overall"]
+    assert ov["sink_part"] + ov["content_part"] == pytest.approx(ov["delta"], abs=1e-6)
+    # the change is the difference of the two models' mean full entropies over the same rows
+    assert ov["delta"] == pytest.approx(ov["entropy_full"] - ov["entropy_full_reference"], abs=1e-5)
+    _assert_layer_head(att["per_head"]["sink_share"], 4, 8)
+    _assert_layer_head(att["reference_heads"]["sink_mass"], 4, 8)
+    assert (out / "entropy_attribution.png").exists()
+    assert "sink share" in capsys.readouterr().out
+
+
+def test_analyze_compare_to_needs_the_same_tokenizer(tmp_path, capsys):
+    rc = main(["analyze", "llama-shakespeare", "--compare-to", "minilm-causal", "--num-samples", "2",
+               "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "same tokenizer" in err and not (tmp_path / "x").exists()
