@@ -94,9 +94,12 @@ def _thresholds(items: list[str] | None) -> dict[str, float]:
     out = {}
     for item in items or []:
         name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--threshold takes METRIC=VALUE, got {item!r}")
-        out[name.strip()] = float(value)
+        try:
+            if not sep:
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--threshold takes METRIC=NUMBER, e.g. cosine=0.5; got {item!r}") from None
     return out
 
 

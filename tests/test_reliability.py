@@ -152,6 +152,13 @@ CASES = [
      r"cannot write a compact checkpoint: .*head counts differ between layers.* Use the dense form"),
     ("export of a folder that is not a run", lambda e: ["export", e / "tiny-llama", "--format", "dense"], 2,
      r"tiny-llama is not a pruner run folder \(no recipe.yaml, plan.json, metrics.json\)"),
+    ("analyze: --compare-to with another tokenizer", lambda e: ["analyze", e / "tiny-gpt2", "--compare-to",
+                                                               "minilm-causal", "--num-samples", "2"], 2,
+     r"--compare-to needs the same tokenizer \(the same token rows\)"),
+    ("analyze: unknown metric", lambda e: ["analyze", e / "tiny-gpt2", "--metrics", "cosine,kl"], 2,
+     r"unknown pair metrics \['kl'\]; valid: cosine, js, hellinger, tv, aitchison"),
+    ("analyze: bad threshold", lambda e: ["analyze", e / "tiny-gpt2", "--threshold", "cosine=high"], 2,
+     r"--threshold takes METRIC=NUMBER, e.g. cosine=0.5; got 'cosine=high'"),
     ("read-only output folder", lambda e: _recipe(e) + ["--out", Path((e / "ro_path").read_text()) / "run"], 2,
      r"cannot write the output folder .*run: (Permission denied|permission denied|Operation not permitted)"),
 ]
