@@ -153,13 +153,15 @@ class Capture:
         total = None
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
-            z = (query[:, :, q0:q1] @ key.transpose(-1, -2)) * scale  # (B, H, c, K)
-            valid = valid_keys(mask, mask2d, q0, q1, causal)
+            k1 = q1 if causal else T  # causal: keys after the chunk's last query are never visible
+            z = (query[:, :, q0:q1] @ key[:, :, :k1].transpose(-1, -2)) * scale  # (B, H, c, k1)
+            valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
             if self.sinks.mode == "auto":
                 self._receive(z, valid, rows[:, q0:q1])
                 continue
-            part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
-                                  self.config.dormant_threshold, v=value, out_rows=mask2d[:, q0:q1])
+            part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
+                                  self.config.dormant_threshold, v=None if value is None else value[:, :, :k1],
+                                  out_rows=mask2d[:, q0:q1])
             total = part if total is None else total + part
         if total is None:
             return
@@ -171,8 +173,9 @@ class Capture:
         a = torch.nan_to_num(torch.softmax(z.float().masked_fill(~valid, float("-inf")), dim=-1))
         w = rows[:, None, :, None].float()  # (B, 1, c, 1)
         rec = self._received[-1]
-        rec[2] = rec[2] + (a * w).sum(dim=(1, 2)).double()  # (B, K)
-        rec[3] = rec[3] + (valid.float() * w).sum(dim=(1, 2)).double() * z.shape[1]
+        pad = (0, rec[1].shape[1] - z.shape[-1])  # causal chunks see a prefix of the keys
+        rec[2] = rec[2] + torch.nn.functional.pad((a * w).sum(dim=(1, 2)).double(), pad)  # (B, K)
+        rec[3] = rec[3] + torch.nn.functional.pad((valid.float() * w).sum(dim=(1, 2)).double(), pad) * z.shape[1]
 
     def auto_sinks(self) -> SinkSpec:
         """Resolve `auto`: positions and token ids whose mean received attention exceeds eps."""
