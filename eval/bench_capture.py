@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=None,
                     help="also run plain and capture on the random model at this length (e.g. 8192); "
                          "eager is skipped there: its maps alone need layers x heads x T^2 x 4 bytes")
+    ap.add_argument("--long-modes", default="plain,capture_se",
+                    help="modes run at --long (default capture's pair metrics cost O(heads^2 T^2): minutes there)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     jobs = [(name, T, modes) for name in args.models.split(",") for T in lengths_for(name, lengths)]
     if args.long and RANDOM in args.models.split(","):
-        jobs.append((RANDOM, args.long, [m for m in modes if m != "eager"]))
+        jobs.append((RANDOM, args.long, [m for m in args.long_modes.split(",") if m != "eager"]))
     load_start = os.getloadavg()
     results = []
     for i, (name, T, ms) in enumerate(jobs):

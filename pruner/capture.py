@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from pruner import distributed
 from pruner import stats as st
 from pruner.data import TokenBatch
-from pruner.models import forward
+from pruner.models import forward, input_device
 from pruner.sinks import SinkSpec, relative_positions, sink_mask
 
 IMPL = "pruner_capture"
@@ -117,7 +118,8 @@ class Capture:
         """Forward every sample once, accumulating statistics."""
         if _ACTIVE is not self:
             raise RuntimeError("Capture.run must be called inside `with Capture(...)`")
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)  # the first device under a device_map
+        batch = distributed.shard(batch)  # several processes: every world-th sample; result() reduces
         it = batch.batches(batch_size)
         if progress:
             it = tqdm(it, total=-(-len(batch) // batch_size), desc="capture", unit="batch")
@@ -125,7 +127,7 @@ class Capture:
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
             if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
                 sink = torch.zeros_like(mask2d, dtype=torch.bool)
-                self._received.append([ids, mask2d, 0.0, 0.0])
+                self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
             else:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
@@ -135,14 +137,14 @@ class Capture:
                 self._batch = None
             if self.config.outputs:  # the residual stream each layer's heads write into
                 keep = mask2d.bool()
-                sq = torch.stack([h[keep].double().pow(2).sum() for h in out.hidden_states[:-1]]).cpu()
+                sq = torch.stack([h[keep].double().pow(2).sum().cpu() for h in out.hidden_states[:-1]])
                 self._residual = sq if self._residual is None else self._residual + sq
                 self._tokens += int(keep.sum())
 
     def _observe(self, module, query, key, value, mask, scaling) -> None:
         if self._batch is None:
             return
-        mask2d, sink, rows = self._batch
+        mask2d, sink, rows = (x.to(query.device) for x in self._batch)  # device_map: this layer's device
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
@@ -174,8 +176,9 @@ class Capture:
         w = rows[:, None, :, None].float()  # (B, 1, c, 1)
         rec = self._received[-1]
         pad = (0, rec[1].shape[1] - z.shape[-1])  # causal chunks see a prefix of the keys
-        rec[2] = rec[2] + torch.nn.functional.pad((a * w).sum(dim=(1, 2)).double(), pad)  # (B, K)
-        rec[3] = rec[3] + torch.nn.functional.pad((valid.float() * w).sum(dim=(1, 2)).double(), pad) * z.shape[1]
+        rec[2] = rec[2] + torch.nn.functional.pad((a * w).sum(dim=(1, 2)).double().cpu(), pad)  # (B, K)
+        rec[3] = rec[3] + torch.nn.functional.pad((valid.float() * w).sum(dim=(1, 2)).double().cpu(), pad) \
+            * z.shape[1]
 
     def auto_sinks(self) -> SinkSpec:
         """Resolve `auto`: positions and token ids whose mean received attention exceeds eps."""
@@ -183,13 +186,16 @@ class Capture:
             raise ValueError("auto_sinks needs a Capture with SinkSpec('auto') that has run")
         by_pos: dict[int, list[float]] = {}
         by_id: dict[int, list[float]] = {}
-        for ids, mask2d, received, count in self._received:
-            rel = relative_positions(mask2d)
-            for key, table in ((rel, by_pos), (ids, by_id)):
-                for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
-                                   count[mask2d.bool()].tolist()):
-                    acc = table.setdefault(k, [0.0, 0.0])
-                    acc[0], acc[1] = acc[0] + r, acc[1] + c
+        rows = [(rel, ids, mask2d, received, count) for ids, mask2d, received, count in
+                ((i.cpu(), m.cpu(), r.cpu(), c.cpu()) for i, m, r, c in self._received)
+                for rel in [relative_positions(mask2d)]]
+        for part in distributed.all_objects(rows):  # every process's batches, in rank order
+            for rel, ids, mask2d, received, count in part:
+                for key, table in ((rel, by_pos), (ids, by_id)):
+                    for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
+                                       count[mask2d.bool()].tolist()):
+                        acc = table.setdefault(k, [0.0, 0.0])
+                        acc[0], acc[1] = acc[0] + r, acc[1] + c
         pick = lambda t: tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > self.sinks.eps))  # noqa: E731
         positions, ids = pick(by_pos), pick(by_id)
         if not positions and not ids:
@@ -200,11 +206,20 @@ class Capture:
         return SinkSpec("ids", ids=ids, eps=self.sinks.eps)
 
     def result(self) -> st.HeadStats:
-        if not self.layers:
+        """Finalised statistics; with several processes, of all their samples (sums added in rank order)."""
+        layers, residual, tokens = {}, None, 0
+        for part_layers, part_residual, part_tokens in distributed.all_objects(
+                ({i: s.to("cpu") for i, s in self.layers.items()}, self._residual, self._tokens)):
+            for i, s in part_layers.items():
+                layers[i] = s if i not in layers else layers[i] + s
+            if part_residual is not None:
+                residual = part_residual if residual is None else residual + part_residual
+            tokens += part_tokens
+        if not layers:
             raise ValueError("nothing captured: run at least one batch")
-        stats = st.finalize([self.layers[i] for i in sorted(self.layers)])
-        if self._residual is not None:
-            stats = dataclasses.replace(stats, residual=self._residual / self._tokens)
+        stats = st.finalize([layers[i] for i in sorted(layers)])
+        if residual is not None:
+            stats = dataclasses.replace(stats, residual=residual / tokens)
         return stats
 
 

@@ -73,10 +73,13 @@ def _prune(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pruner import pipeline, report
+    from pruner import distributed, pipeline, report
 
     recipe = _load_recipe(args)
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
+    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
+        pipeline.run(recipe, out, progress=False)
+        return 0
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
         result = pipeline.run(recipe, out)
@@ -114,7 +117,7 @@ def _floats(text: str) -> list[float]:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import pipeline, report
+    from pruner import distributed, pipeline, report
     from pruner.scoring import SCORERS, get_scorer
 
     recipe = _load_recipe(args)
@@ -126,6 +129,9 @@ def _compare(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown compensation {bad}; valid: zero, mean")
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
+    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
+        pipeline.compare(recipe, scorers, _floats(args.sparsities), comps, progress=False)
+        return 0
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
         records = pipeline.compare(recipe, scorers, _floats(args.sparsities), comps)

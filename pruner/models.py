@@ -128,7 +128,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def input_device(model) -> torch.device:
+    """Where the inputs go: the embedding's device (the first device under a device_map)."""
+    return model.get_input_embeddings().weight.device
+
+
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """One forward pass that is invariant to the padding side (explicit position ids)."""
+    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model."""
+    device = input_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     return model(input_ids=input_ids, attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask), **kwargs)

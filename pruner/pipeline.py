@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pruner import arch, data, models, surgery
+from pruner import arch, data, distributed, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
 from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -51,7 +51,8 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
     if m.mlm_readout:
         model = models.load_minilm_mlm(m.mlm_readout)
     else:
-        model = models.load_model(m.path, dtype=m.dtype, device=m.device, device_map=m.device_map)
+        model = models.load_model(m.path, dtype=m.dtype, device=distributed.local_device(m.device),
+                                  device_map=m.device_map)
     arch.adapter_for(model)  # unsupported architecture: fail before any compute
     tok = models.load_tokenizer(m.path)
     causal = models.attends_causally(model)

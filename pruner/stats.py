@@ -55,6 +55,12 @@ class LayerStats:
         outputs = None if self.outputs is None else self.outputs + other.outputs
         return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()}, outputs=outputs)
 
+    def to(self, device) -> "LayerStats":
+        """The same sums on `device` (layers of a device_map model live on different devices)."""
+        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in ("pairs", "outputs")}
+        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()},
+                          outputs=None if self.outputs is None else self.outputs.to(device))
+
 
 @dataclass
 class OutputMoments:
@@ -82,6 +88,9 @@ class OutputMoments:
 
     def __add__(self, other: "OutputMoments") -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to(self, device) -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMoments:
