@@ -148,8 +148,10 @@ class Capture:
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        key = key.repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
-        value = value.repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
+        up = lambda x: x if x.dtype in (torch.float32, torch.float64) else x.float()  # noqa: E731  half: scores in fp32
+        query = up(query)
+        key = up(key).repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
+        value = up(value).repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
         total = None
