@@ -19,7 +19,10 @@ allocator state leaks between cases. Memory: after the model is loaded and has r
 an 8-token warm-up, the kernel's peak-RSS counter is reset (`/proc/self/clear_refs`
 = 5) and the case runs once; its cost is VmHWM minus the VmRSS just before it (peak
 resident growth: what the case needs on top of the loaded model, torch allocations
-and Python objects alike). Time: one more process per model and length runs every mode in
+and Python objects alike). glibc's mmap threshold is fixed at 128 KiB in these
+processes, so freed tensors leave resident memory at once and the peak follows live
+memory (with the default dynamic threshold, freed heap kept by one case made the
+same case vary by +-300 MiB). Time: one more process per model and length runs every mode in
 turn, a warm-up round and then `--repeats` rounds (interleaved, so a shared
 machine's load falls on every mode alike); the median per mode, `--threads` threads.
 
@@ -168,9 +171,14 @@ def time_cases(name: str, modes: list[str], T: int, threads: int, repeats: int) 
 
 # --------------------------------------------------------------------------- driver
 
-def spawn(args: list[str]):
+# Memory cases: glibc serves every allocation >= 128 KiB by mmap and unmaps it on free, so
+# resident memory follows live tensors (no freed-but-kept heap inflating one case's peak).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def spawn(args: list[str], env_extra: dict | None = None):
     """Run this script in a fresh process with `args`; its last stdout line is JSON."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env_extra or {})}
     out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -184,7 +192,7 @@ def bench(name: str, T: int, modes: list[str], args) -> list[dict]:
     times = spawn(["--time", name, str(T), "--modes", ",".join(modes), "--repeats", str(repeats), *common])
     out = []
     for mode in modes:
-        mem = spawn(["--memory", name, mode, str(T), *common])
+        mem = spawn(["--memory", name, mode, str(T), *common], MALLOC_ENV)
         r = {"model": name, "mode": mode, "T": T}
         if "error" in mem or "error" in times:
             r["error"] = mem.get("error") or times.get("error")
@@ -313,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"threads": args.threads, "repeats": args.repeats, "cpus": os.cpu_count(), "torch": torch.__version__,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-            "memory_method": "peak RSS growth (VmHWM after clear_refs=5, minus VmRSS before), fresh process per case",
+            "memory_method": "peak RSS growth (VmHWM after clear_refs=5, minus VmRSS before), fresh process per case, "
+                             "glibc mmap threshold fixed at 128 KiB",
             "time_method": f"median of {args.repeats} runs (1 at T > 2048) after a warm-up round, "
                            "modes interleaved round-robin in one process"}
     (out / "bench_capture.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
