@@ -48,8 +48,12 @@ def _sinks(args: argparse.Namespace) -> int:
     if spec.mode == "auto":
         spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    from pruner import distributed
+
     st = capture_stats(model, batch, spec, tok, CaptureConfig(metrics=("cosine",)),
-                       batch_size=args.batch_size, progress=True)
+                       batch_size=args.batch_size, progress=distributed.is_main())
+    if not distributed.is_main():  # several processes: rank 0 prints
+        return 0
     print(f"\n{args.model}: sink mass per layer x head (sinks: {spec.mode}; {len(batch)} {unit} "
           f"of {args.data}, {int(st.rows[0])} query rows)")
     print(format_table(st.sink_mass))
