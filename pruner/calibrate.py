@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch
+from pruner import arch, distributed
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
 from pruner.models import forward
@@ -56,21 +56,21 @@ def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
     which would hide the gradient check's precision in float64).
     """
     logits = forward(model, input_ids, attention_mask).logits[:, :-1]  # (B, T-1, V)
-    target = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    target = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100).to(logits.device)
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
 
 
-def mlm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, tokenizer,
-             generator: torch.Generator):
-    """Masked-LM loss with seeded BERT masking (encoders: the gradient scorer's loss)."""
-    from pruner.models import mask_tokens
-
-    x, labels = mask_tokens(input_ids, attention_mask, tokenizer, 0.15, generator)
-    logits = forward(model, x, attention_mask).logits
-    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
+def mlm_loss(model, masked_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor):
+    """Masked-LM loss of inputs already masked (`pruner.models.mask_tokens`): the encoders' gradient loss."""
+    logits = forward(model, masked_ids, attention_mask).logits
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.to(logits.device), ignore_index=-100)
 
 
-def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=lm_loss) -> torch.Tensor:
+def _lm_example_loss(model, batch: TokenBatch, i: int) -> torch.Tensor:
+    return lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
+
+
+def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=_lm_example_loss) -> torch.Tensor:
     """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
 
     One example (window) per backward pass, so the absolute value is taken per
@@ -78,20 +78,22 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     accumulated signed gradients across a batch). A mask xi_h multiplies each
     head's slice at the output projection's input; its gradient at xi = 1 is the
     importance. Michel et al. normalise each layer's scores by their l2 norm.
+    `loss_fn(model, batch, i)` is example i's loss. With several processes each
+    takes every world-th example and the sums are added in rank order.
     """
     ad, g = arch.adapter_for(model), arch.geometry(model)
     xi = torch.ones(g.n_layers, g.n_heads, requires_grad=True)
     hooks = [arch.get(block, ad.o_proj).register_forward_pre_hook(
-        lambda m, args, layer=layer: (args[0] * xi[layer].repeat_interleave(g.head_dim).to(args[0].dtype),)
+        lambda m, args, layer=layer: (args[0] * xi[layer].repeat_interleave(g.head_dim).to(args[0])[None, None],)
         + tuple(args[1:])) for layer, block in enumerate(arch.blocks(model))]
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
-        it = range(len(batch))
+        it = distributed.shard_indices(len(batch))
         for i in (tqdm(it, desc="gradient", unit="window") if progress else it):
             xi.grad = None
-            loss = loss_fn(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
+            loss = loss_fn(model, batch, i)
             loss.backward()
             total += xi.grad.detach().abs().double()
         model.zero_grad(set_to_none=True)
@@ -99,6 +101,7 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
         for h in hooks:
             h.remove()
         model.train(was_training)
+    total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
@@ -114,10 +117,14 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     grad = None
     if gradient:
         if attends_causally(model):
-            loss_fn = lm_loss
+            loss_fn = _lm_example_loss
         elif hasattr(model, "cls") or hasattr(model, "lm_head"):
-            g = torch.Generator().manual_seed(seed)  # one stream over the examples: deterministic
-            loss_fn = lambda m, ids, mask: mlm_loss(m, ids, mask, tokenizer, g)  # noqa: E731
+            from pruner.models import mask_tokens
+
+            g = torch.Generator().manual_seed(seed)  # one stream over the examples, drawn up front: the
+            masked = [mask_tokens(batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], tokenizer, 0.15, g)
+                      for i in range(len(batch))]  # same masks whichever process scores an example
+            loss_fn = lambda m, b, i: mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])  # noqa: E731
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn)

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from pruner import distributed
 from pruner import stats as st
 from pruner.data import TokenBatch
-from pruner.models import forward
+from pruner.models import forward, input_device
 from pruner.sinks import SinkSpec, relative_positions, sink_mask
 
 IMPL = "pruner_capture"
@@ -131,7 +132,8 @@ class Capture:
         """Forward every sample once, accumulating statistics."""
         if _ACTIVE is not self:
             raise RuntimeError("Capture.run must be called inside `with Capture(...)`")
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)  # the first device under a device_map
+        batch = distributed.shard(batch)  # several processes: every world-th sample; result() reduces
         it = batch.batches(batch_size)
         if progress:
             it = tqdm(it, total=-(-len(batch) // batch_size), desc="capture", unit="batch")
@@ -139,7 +141,7 @@ class Capture:
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
             if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
                 sink = torch.zeros_like(mask2d, dtype=torch.bool)
-                self._received.append([ids, mask2d, 0.0, 0.0])
+                self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
             else:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
@@ -152,19 +154,21 @@ class Capture:
                 self._kept = {}
             if self.config.outputs:  # the residual stream each layer's heads write into
                 keep = mask2d.bool()
-                sq = torch.stack([h[keep].double().pow(2).sum() for h in out.hidden_states[:-1]]).cpu()
+                sq = torch.stack([h[keep].double().pow(2).sum().cpu() for h in out.hidden_states[:-1]])
                 self._residual = sq if self._residual is None else self._residual + sq
                 self._tokens += int(keep.sum())
 
     def _observe(self, module, query, key, value, mask, scaling) -> None:
         if self._batch is None:
             return
-        mask2d, sink, rows = self._batch
+        mask2d, sink, rows = (x.to(query.device) for x in self._batch)  # device_map: this layer's device
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        key = key.repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
-        value = value.repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
+        up = lambda x: x if x.dtype in (torch.float32, torch.float64) else x.float()  # noqa: E731  half: scores in fp32
+        query = up(query)
+        key = up(key).repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
+        value = up(value).repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
         if self.config.across_layers and self.sinks.mode != "auto":
@@ -173,13 +177,15 @@ class Capture:
         total = None
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
-            z = (query[:, :, q0:q1] @ key.transpose(-1, -2)) * scale  # (B, H, c, K)
-            valid = valid_keys(mask, mask2d, q0, q1, causal)
+            k1 = q1 if causal else T  # causal: keys after the chunk's last query are never visible
+            z = (query[:, :, q0:q1] @ key[:, :, :k1].transpose(-1, -2)) * scale  # (B, H, c, k1)
+            valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
             if self.sinks.mode == "auto":
                 self._receive(z, valid, rows[:, q0:q1])
                 continue
-            part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
-                                  self.config.dormant_threshold, v=value, out_rows=mask2d[:, q0:q1])
+            part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
+                                  self.config.dormant_threshold, v=None if value is None else value[:, :, :k1],
+                                  out_rows=mask2d[:, q0:q1])
             total = part if total is None else total + part
         if total is None:
             return
@@ -194,16 +200,18 @@ class Capture:
             raise ValueError("across_layers needs the same number of query heads in every layer")
         T = kept[0][0].shape[2]
         total = None
+        cut = lambda m, k1: None if m is None else m[..., :k1]  # noqa: E731
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
-            valid = valid_keys(kept[0][2], mask2d, q0, q1, kept[0][4])  # (B, 1, c, K)
+            k1 = q1 if kept[0][4] else T  # causal: keys after the chunk's last query are never visible
+            valid = valid_keys(cut(kept[0][2], k1), mask2d[:, :k1], q0, q1, kept[0][4])  # (B, 1, c, k1)
             for _, _, mask, _, causal in kept[1:]:
-                if not torch.equal(valid_keys(mask, mask2d, q0, q1, causal), valid):
+                if not torch.equal(valid_keys(cut(mask, k1), mask2d[:, :k1], q0, q1, causal), valid):
                     raise ValueError("across_layers needs the same attention mask in every layer "
                                      "(sliding-window layers are not supported)")
-            z = torch.cat([(q[:, :, q0:q1] @ k.transpose(-1, -2)) * scale
-                           for q, k, _, scale, _ in kept], dim=1)  # (B, L * H, c, K)
-            part = st.chunk_stats(z, sink, valid, rows[:, q0:q1], self.config.metrics,
+            z = torch.cat([(q[:, :, q0:q1] @ k[:, :, :k1].transpose(-1, -2)) * scale
+                           for q, k, _, scale, _ in kept], dim=1)  # (B, L * H, c, k1)
+            part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
                                   self.config.dormant_threshold)
             total = part if total is None else total + part
         self.layers[0] = total if 0 not in self.layers else self.layers[0] + total
@@ -214,8 +222,10 @@ class Capture:
         a = torch.nan_to_num(torch.softmax(z.float().masked_fill(~valid, float("-inf")), dim=-1))
         w = rows[:, None, :, None].float()  # (B, 1, c, 1)
         rec = self._received[-1]
-        rec[2] = rec[2] + (a * w).sum(dim=(1, 2)).double()  # (B, K)
-        rec[3] = rec[3] + (valid.float() * w).sum(dim=(1, 2)).double() * z.shape[1]
+        pad = (0, rec[1].shape[1] - z.shape[-1])  # causal chunks see a prefix of the keys
+        rec[2] = rec[2] + torch.nn.functional.pad((a * w).sum(dim=(1, 2)).double().cpu(), pad)  # (B, K)
+        rec[3] = rec[3] + torch.nn.functional.pad((valid.float() * w).sum(dim=(1, 2)).double().cpu(), pad) \
+            * z.shape[1]
 
     def auto_sinks(self) -> SinkSpec:
         """Resolve `auto`: positions and token ids whose mean received attention exceeds eps."""
@@ -223,13 +233,16 @@ class Capture:
             raise ValueError("auto_sinks needs a Capture with SinkSpec('auto') that has run")
         by_pos: dict[int, list[float]] = {}
         by_id: dict[int, list[float]] = {}
-        for ids, mask2d, received, count in self._received:
-            rel = relative_positions(mask2d)
-            for key, table in ((rel, by_pos), (ids, by_id)):
-                for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
-                                   count[mask2d.bool()].tolist()):
-                    acc = table.setdefault(k, [0.0, 0.0])
-                    acc[0], acc[1] = acc[0] + r, acc[1] + c
+        rows = [(rel, ids, mask2d, received, count) for ids, mask2d, received, count in
+                ((i.cpu(), m.cpu(), r.cpu(), c.cpu()) for i, m, r, c in self._received)
+                for rel in [relative_positions(mask2d)]]
+        for part in distributed.all_objects(rows):  # every process's batches, in rank order
+            for rel, ids, mask2d, received, count in part:
+                for key, table in ((rel, by_pos), (ids, by_id)):
+                    for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
+                                       count[mask2d.bool()].tolist()):
+                        acc = table.setdefault(k, [0.0, 0.0])
+                        acc[0], acc[1] = acc[0] + r, acc[1] + c
         pick = lambda t: tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > self.sinks.eps))  # noqa: E731
         positions, ids = pick(by_pos), pick(by_id)
         if not positions and not ids:
@@ -240,13 +253,22 @@ class Capture:
         return SinkSpec("ids", ids=ids, eps=self.sinks.eps)
 
     def result(self) -> st.HeadStats:
-        if not self.layers:
+        """Finalised statistics; with several processes, of all their samples (sums added in rank order)."""
+        layers, residual, tokens = {}, None, 0
+        for part_layers, part_residual, part_tokens in distributed.all_objects(
+                ({i: s.to("cpu") for i, s in self.layers.items()}, self._residual, self._tokens)):
+            for i, s in part_layers.items():
+                layers[i] = s if i not in layers else layers[i] + s
+            if part_residual is not None:
+                residual = part_residual if residual is None else residual + part_residual
+            tokens += part_tokens
+        if not layers:
             raise ValueError("nothing captured: run at least one batch")
-        stats = st.finalize([self.layers[i] for i in sorted(self.layers)])
-        if self.config.across_layers:
+        stats = st.finalize([layers[i] for i in sorted(layers)])
+        if self.config.across_layers:  # one stacked "layer" of every head: split it back into layers
             return st.unstack_layers(stats, self._n_layers)
-        if self._residual is not None:
-            stats = dataclasses.replace(stats, residual=self._residual / self._tokens)
+        if residual is not None:
+            stats = dataclasses.replace(stats, residual=residual / tokens)
         return stats
 
 

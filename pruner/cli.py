@@ -32,7 +32,7 @@ def _parse_sinks(text: str | None, causal: bool):
 def _sinks(args: argparse.Namespace) -> int:
     import torch
 
-    from pruner import audit, data, models
+    from pruner import audit, data, distributed, models
     from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
     from pruner.eager import format_table
     from pruner.sinks import check_content
@@ -55,7 +55,9 @@ def _sinks(args: argparse.Namespace) -> int:
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
     check_content(batch.input_ids, batch.attention_mask, spec, tok)
     st = capture_stats(model, batch, spec, tok, CaptureConfig(metrics=("cosine",)),
-                       batch_size=args.batch_size, progress=True)
+                       batch_size=args.batch_size, progress=distributed.is_main())
+    if not distributed.is_main():  # several processes: rank 0 prints
+        return 0
     print(f"\n{args.model}: sink mass per layer x head (sinks: {spec.mode}; {len(batch)} {unit} "
           f"of {args.data}, {int(st.rows[0])} query rows)")
     print(format_table(st.sink_mass))
@@ -202,10 +204,13 @@ def _prune(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pruner import export, pipeline, report
+    from pruner import distributed, export, pipeline, report
 
     recipe = _load_recipe(args)
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
+    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
+        pipeline.run(recipe, out, progress=False)
+        return 0
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
         result = pipeline.run(recipe, out)
@@ -284,7 +289,7 @@ def _targets(text: str) -> list[float]:
 def _compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import pipeline, report
+    from pruner import distributed, pipeline, report
     from pruner.scoring import SCORERS, get_scorer
 
     recipe = _load_recipe(args)
@@ -296,6 +301,9 @@ def _compare(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown compensation {bad}; valid: zero, mean")
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
+    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
+        pipeline.compare(recipe, scorers, _targets(args.sparsities), comps, progress=False)
+        return 0
     tmp, commit, abort = report.atomic_dir(out, args.overwrite)
     try:
         records = pipeline.compare(recipe, scorers, _targets(args.sparsities), comps)

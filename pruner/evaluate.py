@@ -105,16 +105,21 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
     int, and (window, d) or None.
     """
     model.eval()
+    from pruner import distributed
+
+    mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)  # several processes
     nll, count, emb = [], [], []
-    it = range(0, len(windows), batch_size)
+    it = range(0, len(mine), batch_size)
     for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
-        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
-        lab = windows.labels[i:i + batch_size]
+        idx = mine[i:i + batch_size]
+        ids, mask, lab = windows.input_ids[idx], windows.attention_mask[idx], windows.labels[idx]
         out = forward(model, ids, mask, output_hidden_states=pool)
         if pool:
-            h, m = out.hidden_states[-1].float(), mask[..., None].float()
-            emb.append((h * m).sum(1) / m.sum(1))
+            h = out.hidden_states[-1].float()
+            m = mask[..., None].to(h)
+            emb.append(((h * m).sum(1) / m.sum(1)).cpu())
         logits = out.logits.float()
+        lab = lab.to(logits.device)
         if causal:
             logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
         else:
@@ -122,9 +127,12 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
         tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
                                                 reduction="none")  # (B, T')
         on = target != -100
-        nll.append((tok * on).sum(-1).double())
-        count.append(on.sum(-1))
-    return torch.cat(nll), torch.cat(count), (torch.cat(emb) if pool else None)
+        nll.append((tok * on).sum(-1).double().cpu())
+        count.append(on.sum(-1).cpu())
+    cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
+    n = len(windows)
+    return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),
+            distributed.gather_rows(cat(emb), n) if pool else None)
 
 
 def perplexity(nll: torch.Tensor, count: torch.Tensor) -> float:

@@ -178,12 +178,13 @@ def is_masked_lm(config) -> bool:
     return any(a.endswith("ForMaskedLM") for a in (config.architectures or []))
 
 
-def load_base(spec):
+def load_base(spec, device: str | None = None):
     """The unpruned model a recipe's `model` section names (`path`, `dtype`, `device`, `device_map`,
-    `mlm_readout`): what `prune` calibrates and what `export` rebuilds the pruned model from."""
+    `mlm_readout`): what `prune` calibrates and what `export` rebuilds the pruned model from.
+    `device` overrides `spec.device` (each of several processes takes its own GPU)."""
     if spec.mlm_readout:
         return load_minilm_mlm(spec.mlm_readout)
-    return load_model(spec.path, dtype=spec.dtype, device=spec.device, device_map=spec.device_map)
+    return load_model(spec.path, dtype=spec.dtype, device=device or spec.device, device_map=spec.device_map)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -191,7 +192,14 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def input_device(model) -> torch.device:
+    """Where the inputs go: the embedding's device (the first device under a device_map)."""
+    return model.get_input_embeddings().weight.device
+
+
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """One forward pass that is invariant to the padding side (explicit position ids)."""
+    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model."""
+    device = input_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     return model(input_ids=input_ids, attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask), **kwargs)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pruner import arch, data, export, models, surgery
+from pruner import arch, data, distributed, export, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
 from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -49,7 +49,7 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
         torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     m = recipe.model
-    model = models.load_base(m)
+    model = models.load_base(m, device=distributed.local_device(m.device))
     arch.adapter_for(model)  # unsupported architecture: fail before any compute
     tok = models.load_tokenizer(m.path)
     causal = models.attends_causally(model)

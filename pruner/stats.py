@@ -21,6 +21,7 @@ Definitions (DESIGN section 5):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -57,6 +58,12 @@ class LayerStats:
         outputs = None if self.outputs is None else self.outputs + other.outputs
         return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()}, outputs=outputs)
 
+    def to(self, device) -> "LayerStats":
+        """The same sums on `device` (layers of a device_map model live on different devices)."""
+        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in ("pairs", "outputs")}
+        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()},
+                          outputs=None if self.outputs is None else self.outputs.to(device))
+
 
 @dataclass
 class OutputMoments:
@@ -85,6 +92,9 @@ class OutputMoments:
     def __add__(self, other: "OutputMoments") -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
+    def to(self, device) -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
+
 
 def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMoments:
     """Moments of head outputs for one chunk.
@@ -110,25 +120,47 @@ def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
 
 
 def _cosine_pairs(p: Tensor) -> Tensor:
-    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
+    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row.
+
+    One Gram matrix per row, normalised by its diagonal (no normalised copy of p).
+    """
     p = p.transpose(1, 2)  # (B, c, H, K)
-    n = p / p.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-    return n @ n.transpose(-1, -2)
+    gram = p @ p.transpose(-1, -2)  # (B, c, H, H)
+    norm = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (B, c, H)
+    return gram / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(p.dtype).tiny)
 
 
 def _loop_pairs(p: Tensor, fn) -> Tensor:
-    """Elementwise pair metrics, one head against all at a time: memory (B, H, c, K)."""
+    """Symmetric elementwise pair metrics, one head against the later ones: memory (B, H, c, K).
+
+    Only the upper triangle is computed (the metrics are symmetric and zero on the diagonal).
+    """
     B, H, c, K = p.shape
-    out = p.new_empty(B, c, H, H)
-    for i in range(H):
-        out[:, :, i, :] = fn(p[:, i:i + 1], p).transpose(1, 2)  # (B, c, H)
+    out = p.new_zeros(B, c, H, H)
+    for i in range(H - 1):
+        d = fn(p[:, i:i + 1], p[:, i + 1:]).transpose(1, 2)  # (B, c, H-i-1)
+        out[:, :, i, i + 1:] = d
+        out[:, :, i + 1:, i] = d
     return out
 
 
-def _js(p: Tensor, q: Tensor) -> Tensor:
-    m = (p + q) / 2
-    h = lambda x: -torch.xlogy(x, x).sum(-1)  # noqa: E731
-    return (h(m) - (h(p) + h(q)) / 2).clamp_min(0)
+def _js_pairs(p: Tensor, h: Tensor) -> Tensor:
+    """Jensen-Shannon divergence between heads, per row: JS = H(m) - (H(p) + H(q)) / 2. (B, c, H, H)
+
+    p: (B, H, c, K) rows (zero off their keys); h: (B, H, c) their entropies. A
+    pair costs one add and one xlogy pass: with n = p + q = 2m,
+    H(m) = -(1/2) sum n log n + (log 2 / 2) sum n, and sum n is the rows' masses.
+    """
+    B, H, c, K = p.shape
+    mass = p.sum(-1)  # (B, H, c)
+    out = p.new_zeros(B, c, H, H)
+    for i in range(H - 1):
+        n = p[:, i + 1:] + p[:, i:i + 1]  # (B, H-i-1, c, K)
+        hm = (math.log(2) * (mass[:, i + 1:] + mass[:, i:i + 1]) - n.xlogy_(n).sum(-1)) / 2  # (B, H-i-1, c)
+        d = (hm - (h[:, i + 1:] + h[:, i:i + 1]) / 2).clamp_min(0).transpose(1, 2)  # (B, c, H-i-1)
+        out[:, :, i, i + 1:] = d
+        out[:, :, i + 1:, i] = d
+    return out
 
 
 def _hellinger(p: Tensor, q: Tensor) -> Tensor:
@@ -149,6 +181,10 @@ def _aitchison_pairs(clr: Tensor) -> Tensor:
     return d2.clamp_min(0).sqrt()
 
 
+def _entropy(p: Tensor) -> Tensor:
+    return -torch.xlogy(p, p).sum(-1)
+
+
 def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tuple[str, ...],
                   convention: str) -> dict[str, Tensor]:
     """Per-row head x head metrics under one convention. Each (B, c, H, H).
@@ -157,6 +193,12 @@ def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tu
     """
     p, parts = cp.rows_for(a, sink, valid, convention)
     p = torch.where(parts, p, torch.zeros((), dtype=p.dtype))  # (B, H, c, K)
+    return _pairs(p, parts, z, metrics)
+
+
+def _pairs(p: Tensor, parts: Tensor, z: Tensor, metrics: tuple[str, ...],
+           h: Tensor | None = None) -> dict[str, Tensor]:
+    """The metrics between heads' rows p (B, H, c, K), zero off `parts`; h: their entropies if known."""
     out = {}
     for m in metrics:
         if m == "cosine":
@@ -164,7 +206,7 @@ def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tu
         elif m == "hellinger":
             out[m] = _loop_pairs(p, _hellinger)
         elif m == "js":
-            out[m] = _loop_pairs(p, _js)
+            out[m] = _js_pairs(p, _entropy(p) if h is None else h)
         elif m == "tv":
             out[m] = _loop_pairs(p, _tv)
         elif m == "aitchison":
@@ -173,6 +215,18 @@ def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tu
         else:
             raise ValueError(f"unknown pair metric {m!r}; valid: {', '.join(PAIR_METRICS)}")
     return out
+
+
+def _channel_sums(x: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row sums of x (B, H, c, K) over the sink keys and over all other keys: (B, H, c) each.
+
+    One batched matrix-vector product against [sink, not sink] (B, K, 2) instead of
+    two masked copies of x.
+    """
+    B, H, c, K = x.shape
+    sel = torch.stack([sink, ~sink], dim=-1).to(x.dtype)  # (B, K, 2)
+    out = torch.bmm(x.reshape(B, H * c, K), sel).view(B, H, c, 2)
+    return out[..., 0], out[..., 1]
 
 
 def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: tuple[str, ...] = (),
@@ -185,29 +239,43 @@ def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: t
     rows: (B, c) query rows that count (non-pad, not a sink).
     With values v: (B, H, K, d_head), also the output moments over `out_rows`
     (B, c): every non-pad query, sinks included, since all of them are written.
+
+    This runs on every chunk of every layer, so it makes few passes over the
+    (B, H, c, K) rows: softmax, one xlogy, and two matrix-vector products that
+    split a and a log a into their sink and content sums. The entropy grouping
+    terms then follow per row (DESIGN section 4) without forming the compositions:
+    with T_S = sum_S a log a and T_C = sum_C a log a,
+    s H(c_S) = s log s - T_S,  (1 - s) H(c) = (1 - s) log(1 - s) - T_C,  H(a) = -(T_S + T_C).
+    Invalid keys are filled with the most negative finite score, not -inf: their
+    weight is exactly 0, and a row with no visible key (padding, never counted)
+    comes out uniform and finite, so no NaN needs cleaning.
     """
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()  # per-row work; sums in float64
-    valid = valid.expand(z.shape)
-    sink = sink[:, None, None, :].expand(z.shape)
-    a = torch.softmax(z.masked_fill(~valid, float("-inf")), dim=-1)  # (B, H, c, K)
-    a = torch.nan_to_num(a)  # fully masked (pad) query rows: zeros, and they never count
-    e = cp.entropy_parts(a, sink, valid)  # each (B, H, c)
-    n_content = cp.content_count(sink, valid)  # (B, H, c), same for every head
+    a = torch.softmax(z.masked_fill(~valid, torch.finfo(z.dtype).min), dim=-1)  # (B, H, c, K)
+    s, rest = _channel_sums(a, sink)  # (B, H, c): sink mass, content mass (summed from its parts)
+    t_sink, t_content = _channel_sums(torch.xlogy(a, a), sink)
+    xr = torch.xlogy(rest, rest)
+    h_full = -(t_sink + t_content)
+    content = xr - t_content  # (1 - s) H(c)
+    h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=a.dtype))
+    n_content = (valid & ~sink[:, None, None, :]).sum(-1)  # (B, 1|H, c), same for every head
     w = rows.to(torch.float64)  # (B, c)
     wc = w * (n_content[:, 0] >= 2)
     per_head = lambda x, wt: torch.einsum("bhq,bq->h", x.double(), wt)  # noqa: E731
     pairs = {}
-    for conv, wt in ((cp.FULL, w), (cp.CONTENT, wc)):
-        if metrics:
-            for name, m in pair_matrices(z, a, sink, valid, metrics, conv).items():
+    if metrics:
+        content_keys = valid & ~sink[:, None, None, :]
+        c = a * (~sink)[:, None, None, :] / rest.unsqueeze(-1).clamp_min(torch.finfo(a.dtype).tiny)
+        for conv, p, parts, h, wt in ((cp.FULL, a, valid, h_full, w), (cp.CONTENT, c, content_keys, None, wc)):
+            for name, m in _pairs(p, parts, z, metrics, h).items():
                 pairs[f"{name}/{conv}"] = _pair_sum(torch.nan_to_num(m).double(), wt)
     return LayerStats(
         rows=w.sum(), content_rows=wc.sum(),
-        sink_mass=per_head(e.s, w), entropy_full=per_head(e.full, w),
-        entropy_content=per_head(e.h_content, wc),
-        g=per_head(e.g, w), rest=per_head(e.rest, w), rest_h_content=per_head(e.content, w),
-        dormant=per_head((e.s >= dormant_threshold).to(torch.float64), w), pairs=pairs,
-        outputs=None if v is None else output_moments(a, v, sink, out_rows))
+        sink_mass=per_head(s, w), entropy_full=per_head(h_full, w),
+        entropy_content=per_head(h_content, wc),
+        g=per_head(-xr - t_sink, w), rest=per_head(rest, w), rest_h_content=per_head(content, w),
+        dormant=per_head((s >= dormant_threshold).to(torch.float64), w), pairs=pairs,
+        outputs=None if v is None else output_moments(a, v, sink[:, None, None, :], out_rows))
 
 
 @dataclass(frozen=True)

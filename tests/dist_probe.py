@@ -1,0 +1,54 @@
+"""Run by tests/test_distributed.py in 1 process or under `torchrun --nproc_per_node 2`.
+
+    [torchrun --standalone --nproc_per_node 2] tests/dist_probe.py OUT.pt
+
+Calibrates a tiny GPT-2 and a tiny Llama (capture statistics with output moments,
+gradient importance), scores perplexity windows and selects plans; rank 0 saves it all.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # tiny.py, and this checkout's pruner
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    from tiny import ragged_batch, tiny_model
+
+    from pruner import arch, distributed
+    from pruner.calibrate import calibrate
+    from pruner.data import pad
+    from pruner.evaluate import EvalWindows, window_nll
+    from pruner.scoring import get_scorer
+    from pruner.selection import SelectionConfig, select
+    from pruner.sinks import SinkSpec
+
+    out = {}
+    for family in ("gpt2", "llama"):
+        model = tiny_model(family)
+        batch = pad(ragged_batch(seed=3, n=7), 0)  # 7 samples: uneven shards (4 + 3)
+        inputs = calibrate(model, batch, SinkSpec("first"), gradient=True, batch_size=2)
+        stats = {k: v for k, v in asdict(inputs.stats).items() if isinstance(v, torch.Tensor)}
+        stats.update({f"pairs/{k}": v for k, v in inputs.stats.pairs.items()})
+        stats.update({f"outputs/{i}/{k}": v for i, m in enumerate(inputs.stats.outputs)
+                      for k, v in asdict(m).items()})
+        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
+        nll, count = window_nll(model, EvalWindows(batch.input_ids, batch.attention_mask, labels), batch_size=3)
+        plans = {name: select(get_scorer(name), inputs, arch.geometry(model), SelectionConfig(target=0.25)).heads
+                 for name in ("sink-aware", "gradient", "fluctuation")}
+        out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,
+                       "nll": nll, "count": count, "plans": plans}
+    if distributed.is_main():
+        torch.save({"world": distributed.world_size(), **out}, sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

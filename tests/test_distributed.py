@@ -1,0 +1,68 @@
+"""Several processes give the statistics, gradients, NLLs and plans of one process.
+
+Each test launches `torchrun --standalone --nproc_per_node 2` (gloo on CPU, no
+network) and compares with the same computation in one process. Samples are
+sharded rank::world and partial sums are added in rank order, so the only
+difference left is float64 summation order (~1e-15); the plans are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PROBE = HERE / "dist_probe.py"
+
+
+def launch(args: list[str], procs: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, *args] if procs == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
+    launch([str(PROBE), str(tmp_path / "one.pt")], 1)
+    launch([str(PROBE), str(tmp_path / "two.pt")], 2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert (one["world"], two["world"]) == (1, 2)
+    for family in ("gpt2", "llama"):
+        a, b = one[family], two[family]
+        assert a["stats"].keys() == b["stats"].keys()
+        for key in a["stats"]:
+            torch.testing.assert_close(b["stats"][key], a["stats"][key], rtol=1e-12, atol=1e-12, msg=key)
+        for key in ("gradient", "cross", "nll"):
+            torch.testing.assert_close(b[key], a[key], rtol=1e-12, atol=1e-12, msg=key)
+        assert torch.equal(a["count"], b["count"])
+        assert a["plans"] == b["plans"], family
+
+
+def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
+    quick = ["--set", "calibration.num_samples=6", "--set", "evaluation.num_samples=5",
+             "--set", "evaluation.bootstrap=20", "--set", "capture.metrics=[cosine]",
+             "--set", "scorer.name=gradient"]
+    recipe = str(ROOT / "recipes" / "gpt2-shakespeare.yaml")
+    launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
+    launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)
+    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+    p1, p2 = read("one", "plan.json"), read("two", "plan.json")
+    assert p1["heads"] == p2["heads"] and len(p1["entries"]) == len(p2["entries"])
+    for a, b in zip(p1["entries"], p2["entries"]):  # same heads, same order; floats to summation order
+        assert {k: v for k, v in a.items() if not isinstance(v, float)} == \
+            {k: v for k, v in b.items() if not isinstance(v, float)}
+        assert b == pytest.approx(a, rel=1e-12, abs=1e-15)
+    e1, e2 = read("one", "metrics.json")["evaluation"], read("two", "metrics.json")["evaluation"]
+    assert e1["windows"] == e2["windows"] == 5 and e1["tokens"] == e2["tokens"]
+    for key in ("base", "pruned", "delta", "ci_low", "ci_high"):
+        assert e2[key] == pytest.approx(e1[key], rel=1e-9, abs=1e-12), key
