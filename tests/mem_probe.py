@@ -2,17 +2,25 @@
 
     python tests/mem_probe.py {plain|capture|eager} T
 
-Prints the peak resident memory (MiB) growth of one pass over a random model.
+Prints the peak resident memory (MiB) growth of one pass over a random model:
+VmHWM after resetting it (`/proc/self/clear_refs` = 5), minus VmRSS before. Not
+`ru_maxrss`: it keeps the parent's peak across fork/exec, so a probe started from a
+large pytest process would see no growth at all.
 """
 
 from __future__ import annotations
 
-import resource
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+
+def _status_mib(key: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
+    return int(line.split()[1]) / 1024
 
 
 def main() -> None:
@@ -33,7 +41,8 @@ def main() -> None:
     batch = TokenBatch(ids, torch.ones_like(ids))
     with torch.no_grad():
         model(input_ids=ids[:, :8])  # warm up allocator and lazy imports
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
+    base = _status_mib("VmRSS")
     spec = SinkSpec("first")
     if mode == "plain":
         with torch.no_grad():
@@ -42,8 +51,7 @@ def main() -> None:
         capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=64, metrics=("cosine",)))
     else:
         eager_stats(model, batch, spec, metrics=("cosine",))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((peak - base) / 1024)
+    print(_status_mib("VmHWM") - base)
 
 
 if __name__ == "__main__":
