@@ -13,6 +13,7 @@ the environment) the process group is created on first use, with gloo on CPU.
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -28,7 +29,15 @@ def _group() -> bool:
     from accelerate import PartialState  # reads the launcher's environment; gloo on CPU, nccl on GPU
 
     PartialState()
+    atexit.register(_close)
     return dist.get_world_size() > 1
+
+
+def _close() -> None:
+    """Tear the process group down before the interpreter exits: a live gloo group at exit
+    can abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank() -> int:
