@@ -32,7 +32,7 @@ def _parse_sinks(text: str | None, causal: bool):
 def _sinks(args: argparse.Namespace) -> int:
     import torch
 
-    from pruner import audit, data, distributed, models
+    from pruner import audit, distributed, models
     from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
     from pruner.eager import format_table
     from pruner.sinks import check_content
@@ -43,13 +43,7 @@ def _sinks(args: argparse.Namespace) -> int:
     tok = models.load_tokenizer(args.model)
     causal = models.attends_causally(model)
     spec = _parse_sinks(args.sinks, causal)
-    texts = data.load_texts(data.TextSource(args.data))
-    unit = args.unit or ("windows" if causal else "lines")
-    if unit == "windows":
-        batch = data.token_windows(tok, texts, args.length, bos=not args.no_bos,
-                                   num_samples=args.num_samples, seed=args.seed)
-    else:
-        batch = data.line_samples(tok, texts, args.length, num_samples=args.num_samples, seed=args.seed)
+    batch, unit = _samples(args, tok, causal, args.length)
     if spec.mode == "auto":
         spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
@@ -71,17 +65,17 @@ def _sinks(args: argparse.Namespace) -> int:
     return 0
 
 
-def _samples(args, tok, causal: bool):
-    """The token rows of `--data`: windows (decoder default) or lines (encoder default)."""
+def _samples(args, tok, causal: bool, length: int):
+    """The token rows of `--data`: windows (decoder default) or lines (encoder default) of `length` tokens."""
     from pruner import data
 
     texts = data.load_texts(data.TextSource(args.data))
     unit = args.unit or ("windows" if causal else "lines")
     if unit == "windows":
-        batch = data.token_windows(tok, texts, args.max_length, bos=not args.no_bos,
+        batch = data.token_windows(tok, texts, length, bos=not args.no_bos,
                                    num_samples=args.num_samples, seed=args.seed)
     else:
-        batch = data.line_samples(tok, texts, args.max_length, num_samples=args.num_samples, seed=args.seed)
+        batch = data.line_samples(tok, texts, length, num_samples=args.num_samples, seed=args.seed)
     return batch, unit
 
 
@@ -140,7 +134,7 @@ def _analysis(args: argparse.Namespace, config, cap_config, folder):
             raise ValueError(f"--compare-to needs the same layers x heads: {args.model} has {shape(model)}, "
                              f"{args.compare_to} {shape(reference)}")
     spec = _parse_sinks(args.sinks, causal)
-    batch, unit = _samples(args, tok, causal)
+    batch, unit = _samples(args, tok, causal, args.max_length)
     if spec.mode == "auto":
         spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
