@@ -33,21 +33,16 @@ def _sinks(args: argparse.Namespace) -> int:
     import torch
 
     from pruner import audit, distributed, models
-    from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
+    from pruner.capture import CaptureConfig, capture_stats
     from pruner.eager import format_table
-    from pruner.sinks import check_content
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model = models.load_model(args.model)
     tok = models.load_tokenizer(args.model)
     causal = models.attends_causally(model)
-    spec = _parse_sinks(args.sinks, causal)
     batch, unit = _samples(args, tok, causal, args.length)
-    if spec.mode == "auto":
-        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
-        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
-    check_content(batch.input_ids, batch.attention_mask, spec, tok)
+    spec = _resolved_sinks(args, model, tok, batch, causal)
     st = capture_stats(model, batch, spec, tok, CaptureConfig(metrics=("cosine",)),
                        batch_size=args.batch_size, progress=distributed.is_main())
     if not distributed.is_main():  # several processes: rank 0 prints
@@ -77,6 +72,19 @@ def _samples(args, tok, causal: bool, length: int):
     else:
         batch = data.line_samples(tok, texts, length, num_samples=args.num_samples, seed=args.seed)
     return batch, unit
+
+
+def _resolved_sinks(args, model, tok, batch, causal: bool):
+    """`--sinks` for these samples: parsed, `auto` resolved on them, checked to leave content rows."""
+    from pruner.capture import resolve_auto_sinks
+    from pruner.sinks import check_content
+
+    spec = _parse_sinks(args.sinks, causal)
+    if spec.mode == "auto":
+        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
+        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    check_content(batch.input_ids, batch.attention_mask, spec, tok)
+    return spec
 
 
 def _same_tokenizer(a, b, names: tuple[str, str]) -> None:
@@ -120,8 +128,7 @@ def _analysis(args: argparse.Namespace, config, cap_config, folder):
 
     from pruner import analysis, arch, models
     from pruner import analysis_report as ar
-    from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
-    from pruner.sinks import check_content
+    from pruner.capture import CaptureConfig, capture_stats
 
     model, tok = models.load_model(args.model), models.load_tokenizer(args.model)
     causal = models.attends_causally(model)
@@ -133,12 +140,8 @@ def _analysis(args: argparse.Namespace, config, cap_config, folder):
         if shape(model) != shape(reference):
             raise ValueError(f"--compare-to needs the same layers x heads: {args.model} has {shape(model)}, "
                              f"{args.compare_to} {shape(reference)}")
-    spec = _parse_sinks(args.sinks, causal)
     batch, unit = _samples(args, tok, causal, args.max_length)
-    if spec.mode == "auto":
-        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=args.batch_size)
-        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
-    check_content(batch.input_ids, batch.attention_mask, spec, tok)
+    spec = _resolved_sinks(args, model, tok, batch, causal)
     print(f"{args.model}: {len(batch)} {unit} of {args.data}, sinks {spec.mode}; every head against every head")
     stats = capture_stats(model, batch, spec, tok, cap_config, batch_size=args.batch_size, progress=True)
     res = _analysis_header(args, spec, unit, len(batch), stats)
