@@ -11,6 +11,8 @@ On the same model and the same tokens (batch 1), each case is one of
                   within-layer head x head cosine and JS matrices under both conventions;
   (b') capture_se the same capture restricted to sink mass + entropies (metrics=()),
                   the like-for-like counterpart of (c);
+       capture_cos sink mass + entropies + the cosine matrices only: what the pruning
+                  scorers read (JS is for `pruner analyze`); not in the default --modes;
   (c) eager       the naive path: eager attention with `output_attentions=True`, then sink
                   mass and entropy per head from the stored layers x heads x T x T maps.
 
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODES = ("plain", "capture", "capture_se", "eager")
+EXTRA_MODES = ("capture_cos",)
 RANDOM = "gpt2-small-random"
 DEFAULT_MODELS = (RANDOM, "llama-shakespeare", "minilm-causal", "gpt2-shakespeare")
 
@@ -117,6 +120,8 @@ def case_fn(mode: str, model, ids):
         return lambda: capture_stats(model, batch, spec, config=CaptureConfig())
     if mode == "capture_se":
         return lambda: capture_stats(model, batch, spec, config=CaptureConfig(metrics=()))
+    if mode == "capture_cos":
+        return lambda: capture_stats(model, batch, spec, config=CaptureConfig(metrics=("cosine",)))
     if mode == "eager":
         model.set_attn_implementation("eager")
 
@@ -239,14 +244,14 @@ def targets(results: list[dict]) -> list[str]:
     for T in (1024, 2048):
         if (T, "plain") not in by:
             continue
-        for mode in ("capture", "capture_se"):
+        for mode in ("capture", "capture_cos", "capture_se"):
             if (T, mode) in by:
                 r = by[T, mode]["median_s"] / by[T, "plain"]["median_s"]
                 out.append(f"T={T} {mode}/plain time {r:.2f} (target <= 1.5): {'met' if r <= 1.5 else 'MISSED'}")
     if (2048, "eager") in by:
         plain = by[2048, "plain"]["extra_mib"]
         eager = by[2048, "eager"]["extra_mib"] - plain
-        for mode in ("capture", "capture_se"):
+        for mode in ("capture", "capture_cos", "capture_se"):
             if (2048, mode) in by:
                 extra = by[2048, mode]["extra_mib"] - plain
                 out.append(f"T=2048 {mode} extra memory {extra:.0f} MiB vs eager {eager:.0f} MiB = "
@@ -263,7 +268,7 @@ def plot(results: list[dict], path: Path) -> None:
     names = list(dict.fromkeys(r["model"] for r in results))
     fig, axes = plt.subplots(len(names), 2, figsize=(10, 3.2 * len(names)), squeeze=False)
     for row, name in zip(axes, names):
-        for mode in MODES:
+        for mode in MODES + EXTRA_MODES:
             rs = sorted((r for r in results if r["model"] == name and r["mode"] == mode and "error" not in r),
                         key=lambda r: r["T"])
             if not rs:
