@@ -64,13 +64,9 @@ def _samples(args, tok, causal: bool, length: int):
     """The token rows of `--data`: windows (decoder default) or lines (encoder default) of `length` tokens."""
     from pruner import data
 
-    texts = data.load_texts(data.TextSource(args.data))
     unit = args.unit or ("windows" if causal else "lines")
-    if unit == "windows":
-        batch = data.token_windows(tok, texts, length, bos=not args.no_bos,
-                                   num_samples=args.num_samples, seed=args.seed)
-    else:
-        batch = data.line_samples(tok, texts, length, num_samples=args.num_samples, seed=args.seed)
+    batch = data.samples(tok, data.load_texts(data.TextSource(args.data)), unit, length, bos=not args.no_bos,
+                         num_samples=args.num_samples, seed=args.seed)
     return batch, unit
 
 

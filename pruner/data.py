@@ -157,6 +157,16 @@ def line_samples(tokenizer, texts: Sequence[str], max_length: int, *, num_sample
     return pad(encoded, pad_id=tokenizer.pad_token_id or 0, side=padding_side)
 
 
+def samples(tokenizer, texts: Sequence[str], unit: str, length: int, *, bos: bool = True,
+            num_samples: int | None = None, seed: int = 0) -> TokenBatch:
+    """`unit` "windows" (`token_windows`, decoders) or "lines" (`line_samples`, encoders) of `length` tokens."""
+    if unit == "windows":
+        return token_windows(tokenizer, texts, length, bos=bos, num_samples=num_samples, seed=seed)
+    if unit == "lines":
+        return line_samples(tokenizer, texts, length, num_samples=num_samples, seed=seed)
+    raise ValueError(f"unknown sample unit {unit!r}; valid: windows, lines")
+
+
 def pad(samples: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> TokenBatch:
     """Pad ragged token lists to one (sample, q_pos) tensor with its attention mask."""
     if side not in ("left", "right"):

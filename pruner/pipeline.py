@@ -54,11 +54,8 @@ def prepare(recipe: Recipe, progress: bool = True) -> Session:
     tok = models.load_tokenizer(m.path)
     causal = models.attends_causally(model)
     cal, ev = recipe.calibration, recipe.evaluation
-    texts = data.load_texts(_source(cal))
-    if cal.unit == "windows":
-        batch = data.token_windows(tok, texts, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
-    else:
-        batch = data.line_samples(tok, texts, cal.length, num_samples=cal.num_samples, seed=cal.seed)
+    batch = data.samples(tok, data.load_texts(_source(cal)), cal.unit, cal.length, bos=cal.bos,
+                         num_samples=cal.num_samples, seed=cal.seed)
     ev_texts = data.load_texts(_source(ev))
     if causal:
         windows = sliding_windows(tok, ev_texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
