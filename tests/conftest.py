@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from transformers.utils import logging as transformers_logging
+
+# transformers attaches its stderr handler on first use. Inside a test that handler would keep that
+# test's capture stream, which pytest closes afterwards; every later transformers warning then prints a
+# "--- Logging error ---" traceback into whichever test is running (failing its no-traceback checks).
+# Attaching it here, at collection, binds it to the session's stream instead.
+transformers_logging.get_logger("transformers")
 
 
 @pytest.fixture(scope="session")
