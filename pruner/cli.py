@@ -171,13 +171,8 @@ def _analyze(args: argparse.Namespace) -> int:
                                      clusters=args.clusters, seed=args.seed)
     cap_config = CaptureConfig(chunk_size=args.chunk_size, metrics=metrics, across_layers=True)
     out = Path(args.out)
-    tmp, commit, abort = report.atomic_dir(out, args.overwrite)  # unwritable or existing: fail before compute
-    try:
+    with report.atomic_dir(out, args.overwrite) as tmp:  # unwritable or existing: fail before compute
         res, reference, figures = _analysis(args, config, cap_config, tmp)
-        commit()
-    except BaseException:
-        abort()
-        raise
     print("\n" + report.markdown_table(ar.SUMMARY_HEADER, ar.summary_rows(res)))
     if reference is not None:
         ov = res["entropy_attribution"]["overall"]
@@ -204,8 +199,7 @@ def _prune(args: argparse.Namespace) -> int:
     if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
         pipeline.run(recipe, out, progress=False)
         return 0
-    tmp, commit, abort = report.atomic_dir(out, args.overwrite)
-    try:
+    with report.atomic_dir(out, args.overwrite) as tmp:
         result = pipeline.run(recipe, out)
         pipeline.save_model(result, tmp / "model")
         export.save_compensation(result.bias, tmp / export.COMPENSATION_FILE)
@@ -214,10 +208,6 @@ def _prune(args: argparse.Namespace) -> int:
         (tmp / "metrics.json").write_text(json.dumps(pipeline.to_jsonable(result.metrics), indent=1) + "\n")
         (tmp / "recipe.yaml").write_text(recipe.to_yaml())
         (tmp / "report.md").write_text(report.run_report(result.metrics, plan_json))
-        commit()
-    except BaseException:
-        abort()
-        raise
     m, e = result.metrics, result.metrics["evaluation"]
     print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
           f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
@@ -293,18 +283,14 @@ def _compare(args: argparse.Namespace) -> int:
     bad = [c for c in comps if c not in ("zero", "mean")]
     if bad:
         raise ValueError(f"unknown compensation {bad}; valid: zero, mean")
+    targets = _targets(args.sparsities)
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
     if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
-        pipeline.compare(recipe, scorers, _targets(args.sparsities), comps, progress=False)
+        pipeline.compare(recipe, scorers, targets, comps, progress=False)
         return 0
-    tmp, commit, abort = report.atomic_dir(out, args.overwrite)
-    try:
-        records = pipeline.compare(recipe, scorers, _targets(args.sparsities), comps)
+    with report.atomic_dir(out, args.overwrite) as tmp:
+        records = pipeline.compare(recipe, scorers, targets, comps)
         table = report.write_compare(records, recipe, tmp)
-        commit()
-    except BaseException:
-        abort()
-        raise
     print("\n" + table)
     print(f"\nwrote {out}/ (compare.json, compare.csv, compare.md, compare.png, recipe.yaml)")
     return 0

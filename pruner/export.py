@@ -190,20 +190,13 @@ class Exported:
 def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None) -> Exported:
     """Rebuild, check, write to a temporary folder, reload-verify, add card + plan.json, rename to `out`."""
     out = Path(out)
-    report.refuse_existing(out, overwrite)
-    model, tokenizer = rebuild(run, fmt)
-    check_exportable(model, fmt)  # refuse before writing anything
-    tmp, commit, abort = report.atomic_dir(out, overwrite)
-    try:
-        diff = save_checkpoint(model, tokenizer, tmp, removed=fmt == "compact")
+    with report.atomic_dir(out, overwrite) as tmp:  # an existing `out` is refused before the rebuild
+        model, tokenizer = rebuild(run, fmt)
+        diff = save_checkpoint(model, tokenizer, tmp, removed=fmt == "compact")  # refuses before writing
         shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
         params = sum(p.numel() for p in model.parameters())
         model_card(run, fmt, model, params, repo_id).save(tmp / "README.md")
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
-        commit()
-    except BaseException:
-        abort()
-        raise
     return Exported(out, fmt, params, size, diff)
 
 

@@ -8,7 +8,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from pruner.recipe import Recipe
 
@@ -74,18 +76,16 @@ def plot_compare(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def refuse_existing(out: Path, overwrite: bool) -> None:
-    """Fail early (before any compute) when `out` holds something and `overwrite` is off."""
+@contextmanager
+def atomic_dir(out: Path, overwrite: bool) -> Iterator[Path]:
+    """`with atomic_dir(out, overwrite) as tmp:` fill `tmp`, a temporary sibling of `out`; it is
+    renamed to `out` when the block ends normally and removed when it raises (Ctrl-C included),
+    so nothing is ever half-written. Existing or unwritable destinations fail on entry, before
+    any compute."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
-
-
-def atomic_dir(out: Path, overwrite: bool):
-    """A temporary sibling folder to fill; `commit()` renames it to `out` (nothing half-written)."""
-    out = Path(out)
-    refuse_existing(out, overwrite)
-    try:  # before any compute: a read-only destination fails now, not after calibration
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(out.parent, os.W_OK):
             raise PermissionError(13, "permission denied")
@@ -95,16 +95,14 @@ def atomic_dir(out: Path, overwrite: bool):
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make a shared export unreadable to others
-
-    def commit() -> None:
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-
-    def abort() -> None:
+    try:
+        yield tmp
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-
-    return tmp, commit, abort
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
 
 
 def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
