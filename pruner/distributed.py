@@ -80,9 +80,7 @@ def sum_in_rank_order(x):
     """
     if world_size() == 1:
         return x
-    parts = [None] * world_size()
-    dist.all_gather_object(parts, x)
-    parts = [p for p in parts if p is not None]
+    parts = [p for p in all_objects(x) if p is not None]
     total = parts[0]
     for p in parts[1:]:
         total = total + p
@@ -93,8 +91,7 @@ def gather_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """Per-sample rows computed on this process's shard -> all n rows in sample order. (n, ...)"""
     if world_size() == 1:
         return x
-    parts = [None] * world_size()
-    dist.all_gather_object(parts, None if x is None else x.cpu())
+    parts = all_objects(None if x is None else x.cpu())
     if all(p is None for p in parts):
         return None
     like = next(p for p in parts if p is not None)
