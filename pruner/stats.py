@@ -130,18 +130,21 @@ def _cosine_pairs(p: Tensor) -> Tensor:
     return gram / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(p.dtype).tiny)
 
 
-def _loop_pairs(p: Tensor, fn) -> Tensor:
-    """Symmetric elementwise pair metrics, one head against the later ones: memory (B, H, c, K).
-
-    Only the upper triangle is computed (the metrics are symmetric and zero on the diagonal).
-    """
-    B, H, c, K = p.shape
-    out = p.new_zeros(B, c, H, H)
+def _symmetric(row, B: int, c: int, H: int, like: Tensor) -> Tensor:
+    """(B, c, H, H) zero-diagonal symmetric matrix from its upper triangle, one head at a time:
+    `row(i)` is head i against heads i+1.. as (B, H-i-1, c). Memory stays (B, H, c, K)."""
+    out = like.new_zeros(B, c, H, H)
     for i in range(H - 1):
-        d = fn(p[:, i:i + 1], p[:, i + 1:]).transpose(1, 2)  # (B, c, H-i-1)
+        d = row(i).transpose(1, 2)  # (B, c, H-i-1)
         out[:, :, i, i + 1:] = d
         out[:, :, i + 1:, i] = d
     return out
+
+
+def _loop_pairs(p: Tensor, fn) -> Tensor:
+    """Symmetric elementwise pair metrics fn(p_i, p_j) (zero on the diagonal), upper triangle only."""
+    B, H, c, K = p.shape
+    return _symmetric(lambda i: fn(p[:, i:i + 1], p[:, i + 1:]), B, c, H, p)
 
 
 def _js_pairs(p: Tensor, h: Tensor) -> Tensor:
@@ -153,14 +156,12 @@ def _js_pairs(p: Tensor, h: Tensor) -> Tensor:
     """
     B, H, c, K = p.shape
     mass = p.sum(-1)  # (B, H, c)
-    out = p.new_zeros(B, c, H, H)
-    for i in range(H - 1):
+
+    def row(i: int) -> Tensor:
         n = p[:, i + 1:] + p[:, i:i + 1]  # (B, H-i-1, c, K)
         hm = (math.log(2) * (mass[:, i + 1:] + mass[:, i:i + 1]) - n.xlogy_(n).sum(-1)) / 2  # (B, H-i-1, c)
-        d = (hm - (h[:, i + 1:] + h[:, i:i + 1]) / 2).clamp_min(0).transpose(1, 2)  # (B, c, H-i-1)
-        out[:, :, i, i + 1:] = d
-        out[:, :, i + 1:, i] = d
-    return out
+        return (hm - (h[:, i + 1:] + h[:, i:i + 1]) / 2).clamp_min(0)
+    return _symmetric(row, B, c, H, p)
 
 
 def _hellinger(p: Tensor, q: Tensor) -> Tensor:
