@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pruner import arch, distributed
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
-from pruner.models import forward
+from pruner.models import attends_causally, forward, mask_tokens
 from pruner.scoring import ScoringInputs, cross_energy
 from pruner.sinks import SinkSpec
 
@@ -111,16 +111,12 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     """Everything the scorers need, from one capture pass (and one gradient pass if asked)."""
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    from pruner.models import attends_causally
-
     stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
     grad = None
     if gradient:
         if attends_causally(model):
             loss_fn = _lm_example_loss
         elif hasattr(model, "cls") or hasattr(model, "lm_head"):
-            from pruner.models import mask_tokens
-
             g = torch.Generator().manual_seed(seed)  # one stream over the examples, drawn up front: the
             masked = [mask_tokens(batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], tokenizer, 0.15, g)
                       for i in range(len(batch))]  # same masks whichever process scores an example

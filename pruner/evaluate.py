@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from pruner.data import bos_token_id
-from pruner.models import forward
+from pruner import distributed
+from pruner.data import DataError, bos_token_id, line_samples
+from pruner.models import forward, mask_tokens
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,6 @@ class EvalWindows:
 def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None = None, *,
                     bos: bool = True, max_windows: int | None = None) -> EvalWindows:
     """Strided windows over the concatenated texts (documents joined with EOS)."""
-    from pruner.data import DataError
-
     stride = stride or length - (1 if bos else 0)
     body = length - (1 if bos else 0)
     if not 0 < stride <= body:
@@ -77,9 +76,6 @@ def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None
 def masked_lines(tokenizer, texts: list[str], max_length: int, *, num_samples: int | None = None,
                  seed: int = 0, mask_prob: float = 0.15) -> EvalWindows:
     """Encoder evaluation: lines with a fixed, seeded BERT masking; labels at the masked tokens."""
-    from pruner.data import line_samples
-    from pruner.models import mask_tokens
-
     lines = line_samples(tokenizer, texts, max_length, num_samples=num_samples, seed=seed)
     g = torch.Generator().manual_seed(seed)
     ids, labels = mask_tokens(lines.input_ids, lines.attention_mask, tokenizer, mask_prob, g)
@@ -105,8 +101,6 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
     int, and (window, d) or None.
     """
     model.eval()
-    from pruner import distributed
-
     mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)  # several processes
     nll, count, emb = [], [], []
     it = range(0, len(mine), batch_size)
