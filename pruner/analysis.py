@@ -102,13 +102,13 @@ def default_threshold(full: Tensor) -> float:
 
 def flip_rates(full: Tensor, content: Tensor, similarity: bool, threshold: float) -> dict:
     """The three flip rates between two (head, head) matrices of one metric, and the verdict shares."""
-    redundant = (lambda m: m >= threshold) if similarity else (lambda m: m <= threshold)
+    share = lambda m: float(audit.redundant_pairs(m, threshold, similarity).double().mean())  # noqa: E731
     return {
         "nn_flip_rate": float(audit.nn_flip_rate(full[None], content[None], similarity)[0]),
         "pair_order_flip_rate": float(audit.pair_order_flip_rate(full, content)),
         "verdict_flip_rate": float(audit.verdict_flip_rate(full, content, threshold, similarity)),
-        "redundant_share_full": float(redundant(audit.upper_pairs(full)).double().mean()),
-        "redundant_share_content": float(redundant(audit.upper_pairs(content)).double().mean()),
+        "redundant_share_full": share(full),
+        "redundant_share_content": share(content),
     }
 
 

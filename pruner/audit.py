@@ -60,12 +60,17 @@ def pair_order_flip_rate(full: Tensor, content: Tensor) -> Tensor:
     return discordant_share(upper_pairs(full), upper_pairs(content))
 
 
+def redundant_pairs(m: Tensor, threshold: float, similarity: bool) -> Tensor:
+    """The "redundant" verdict of each head pair (i < j): similarity >= threshold, or distance <= threshold."""
+    pairs = upper_pairs(m)
+    return pairs >= threshold if similarity else pairs <= threshold
+
+
 def verdict_flip_rate(full: Tensor, content: Tensor, threshold: float, similarity: bool) -> Tensor:
     """Share of head pairs whose "redundant" verdict changes between conventions. ()
 
-    Redundant means similarity >= threshold, or distance <= threshold; the same
-    threshold is applied to both conventions, as someone who fixed it on one
-    convention and then switched would do.
+    The same threshold is applied to both conventions, as someone who fixed it on
+    one convention and then switched would do.
     """
-    redundant = (lambda m: m >= threshold) if similarity else (lambda m: m <= threshold)
-    return (redundant(upper_pairs(full)) != redundant(upper_pairs(content))).double().mean()
+    return (redundant_pairs(full, threshold, similarity)
+            != redundant_pairs(content, threshold, similarity)).double().mean()

@@ -103,7 +103,7 @@ def _thresholds(items: list[str] | None) -> dict[str, float]:
     return out
 
 
-def _analysis_header(args, spec, unit: str, samples: int, stats) -> dict:
+def _analysis_header(args, config, spec, unit: str, samples: int, stats) -> dict:
     """What was analysed, on which rows: the first keys of analysis.json."""
     import dataclasses
 
@@ -111,7 +111,7 @@ def _analysis_header(args, spec, unit: str, samples: int, stats) -> dict:
 
     return {"pruner_version": __version__, "model": args.model, "compare_to": args.compare_to,
             "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
-            "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
+            "metrics": list(config.metrics),
             "sinks": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()},
             "data": {"source": args.data, "unit": unit, "samples": samples, "max_length": args.max_length,
                      "seed": args.seed, "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
@@ -140,7 +140,7 @@ def _analysis(args: argparse.Namespace, config, cap_config, folder):
     spec = _resolved_sinks(args, model, tok, batch, causal)
     print(f"{args.model}: {len(batch)} {unit} of {args.data}, sinks {spec.mode}; every head against every head")
     stats = capture_stats(model, batch, spec, tok, cap_config, batch_size=args.batch_size, progress=True)
-    res = _analysis_header(args, spec, unit, len(batch), stats)
+    res = _analysis_header(args, config, spec, unit, len(batch), stats)
     print("clustering and MDS ...")
     res.update(analysis.analyze(stats, config))
     if reference is not None:
