@@ -180,8 +180,8 @@ def test_model_wide_pairs_equal_eager_reference(family):
     per_layer = capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=3, metrics=metrics), batch_size=4)
     for f in ("sink_mass", "entropy_full", "entropy_content", "g", "rest", "h_content_weighted", "rows"):
         torch.testing.assert_close(getattr(wide, f), getattr(per_layer, f), rtol=0, atol=1e-12, msg=f)
-    for k in per_layer.pairs:
-        torch.testing.assert_close(wide.pairs[k], per_layer.pairs[k], rtol=0, atol=1e-12, msg=k)
+    for k in per_layer.pairs:  # per-row work is float32: a (L*H)-head Gram matmul blocks differently
+        torch.testing.assert_close(wide.pairs[k], per_layer.pairs[k], rtol=0, atol=1e-6, msg=k)
 
 
 @pytest.mark.integration
