@@ -116,6 +116,26 @@ class EvaluationSpec(DataSpec):
     num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
     bootstrap: int = Field(1000, ge=0)
     latency: bool = True
+    tasks: list[str] = Field([], description="downstream tasks: lm-evaluation-harness names (the shipped offline "
+                                             "suite: `shakespeare`), or the shipped embedding task")
+    task_paths: list[str] = Field([], description="folders of your own lm-evaluation-harness task YAML")
+    task_limit: int | None = Field(None, ge=1, description="score the first N documents of each task")
+    num_fewshot: int | None = Field(None, ge=0, description="few-shot examples (default: each task's own)")
+
+    @field_validator("tasks", "task_paths")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        if any(not x.strip() for x in v):
+            raise ValueError("names must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _task_options_need_tasks(self):
+        unused = [k for k in ("task_paths", "task_limit", "num_fewshot") if getattr(self, k) not in (None, [])]
+        if unused and not self.tasks:
+            raise ValueError(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only with "
+                             "evaluation.tasks")
+        return self
 
 
 class ExportSpec(_Strict):

@@ -1,0 +1,125 @@
+"""Downstream tasks through lm-evaluation-harness: pruner's encoding, its NLL, the scoped mask, paired CIs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="the tasks extra (pip install '.[tasks]') is part of the test extra")
+
+from pruner import arch, evaluate, models, surgery, tasks  # noqa: E402
+from tiny import tiny_model  # noqa: E402
+
+TASK_YAML = """\
+task: {name}
+custom_dataset: !function pruner.tasks.jsonl_dataset
+dataset_kwargs:
+  data_files: {{test: {name}.jsonl}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+DOCS = [
+    {"context": "the king is", "choices": ["good", "my lord", "a queen of the"], "label": 0},
+    {"context": "my lord the queen", "choices": ["was good", "is"], "label": 1},
+    {"context": "and", "choices": ["the king was my lord", "a good queen"], "label": 1},
+]
+
+
+def write_task(folder, name="tiny_task", docs=DOCS):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.yaml").write_text(TASK_YAML.format(name=name))
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return folder
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("bos", [True, False])
+def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, family, bos):
+    """Every (context, choice) the harness scores: its log-likelihood = -pruner's NLL of the same tokens."""
+    from lm_eval.evaluator import evaluate as lm_evaluate
+
+    model = tiny_model(family)
+    spec = tasks.TaskSpec(("tiny_task",), (str(write_task(tmp_path / "t")),), bos=bos, batch_size=2)
+    loaded = tasks.load_tasks(spec)
+    lm = tasks.harness_lm(model, word_tokenizer, bos=bos, batch_size=2)
+    res = lm_evaluate(lm=lm, task_dict=loaded, bootstrap_iters=0, log_samples=True)
+    samples = sorted(res["samples"]["tiny_task"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(DOCS)
+    enc = lambda s: word_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows, labels, harness_ll = [], [], []
+    for doc, s in zip(DOCS, samples):
+        assert [a[1] for a in s["arguments"]] == [" " + c for c in doc["choices"]]
+        for (context, continuation), resp in zip(s["arguments"], s["resps"]):
+            ctx, cont = enc(context), enc(continuation)
+            first = [word_tokenizer.bos_token_id] if bos else []
+            rows.append(first + ctx + cont)
+            labels.append([-100] * len(first + ctx) + cont)
+            harness_ll.append(resp[0][0])
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+    nll, count = evaluate.window_nll(model, evaluate.EvalWindows(ids, mask, lab), batch_size=3)
+    assert count.tolist() == [len(enc(c)) for s in samples for _, c in s["arguments"]]
+    assert torch.allclose(-nll, torch.tensor(harness_ll, dtype=torch.float64), atol=1e-4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,first", [("minilm-causal", 101), ("gpt2-shakespeare", 0), ("llama-shakespeare", 0)])
+def test_encoding_starts_with_the_training_bos_and_appends_nothing(name, first):
+    """[CLS] / BOS first, as pruner's perplexity windows; no [SEP] / EOS; the continuation split where it belongs."""
+    tok = models.load_tokenizer(name)
+    lm = tasks.harness_lm(tiny_model("gpt2"), tok, bos=True)
+    ctx, cont = lm._encode_pair("To be, or not to be: that is", " the question")
+    plain = tok("To be, or not to be: that is the question", add_special_tokens=False)["input_ids"]
+    assert ctx[0] == first and ctx[1:] + cont == plain
+    assert tok.decode(cont).strip().lower() == "the question"
+    assert not set(ctx[1:] + cont) & set(tok.all_special_ids)
+    assert lm.prefix_token_id == first  # empty contexts are scored after the same token
+    off = tasks.harness_lm(tiny_model("gpt2"), tok, bos=False)
+    ctx2, cont2 = off._encode_pair("To be, or not to be: that is", " the question")
+    assert ctx2 + cont2 == plain
+
+
+@pytest.mark.integration
+def test_scoped_mask_is_active_during_the_harness_run():
+    """minilm-causal on the shipped cloze: masking every head but one changes accuracy; leaving the scope restores it."""
+    model, tok = models.load_model("minilm-causal"), models.load_tokenizer("minilm-causal")
+    h = tasks.Harness(model, tok, tasks.TaskSpec(("shakespeare_cloze",), limit=24, batch_size=8))
+    base = h.scores()["shakespeare_cloze"]
+    g = arch.geometry(model)
+    all_but_one = {layer: list(range(g.n_heads)) for layer in range(g.n_layers)}
+    all_but_one[0] = all_but_one[0][1:]
+    with surgery.masked(model, all_but_one):
+        masked = h.scores()["shakespeare_cloze"]
+    again = h.scores()["shakespeare_cloze"]
+    assert base.metrics["acc"].mean() > 0.5  # well above chance (0.25) even on 24 documents
+    assert not torch.equal(base.metrics["acc"], masked.metrics["acc"])
+    assert masked.metrics["acc"].mean() < base.metrics["acc"].mean()
+    assert torch.equal(base.metrics["acc"], again.metrics["acc"])
+    (d_acc, d_norm) = tasks.paired_accuracy(base, masked, n_boot=200)
+    assert d_acc.metric == "acc" and d_norm.metric == "acc_norm" and d_acc.docs == 24
+    assert d_acc.delta == pytest.approx(masked.metrics["acc"].mean().item() - base.metrics["acc"].mean().item())
+
+
+@pytest.mark.unit
+def test_paired_accuracy_bootstrap():
+    ids = tuple(range(40))
+    base = tasks.TaskScores("t", ids, ("p",) * 40, {"acc": torch.ones(40, dtype=torch.float64)})
+    same = tasks.paired_accuracy(base, base, n_boot=100)[0]
+    assert (same.delta, same.ci_low, same.ci_high) == (0.0, 0.0, 0.0)
+    half = torch.tensor([1.0, 0.0] * 20, dtype=torch.float64)
+    d = tasks.paired_accuracy(base, tasks.TaskScores("t", ids, ("p",) * 40, {"acc": half}), n_boot=500)[0]
+    assert d.base == 1.0 and d.pruned == 0.5 and d.delta == -0.5
+    assert d.ci_low < -0.5 < d.ci_high < 0
+    with pytest.raises(ValueError, match="same documents"):
+        tasks.paired_accuracy(base, tasks.TaskScores("t", ids[::-1], ("p",) * 40, {"acc": half}))
