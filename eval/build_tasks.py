@@ -39,7 +39,7 @@ HEADING = re.compile(r"^[A-Z][A-Z' ,\-]*[A-Z]\.$")          # a speaker heading:
 SCENE = re.compile(r"^(SCENE|Scene)\b")
 WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
 STAGE = re.compile(r"\[[^\]]*\]?")                         # [Exit], [Aside], unclosed [Enter ... lines
-PER_PLAY = {"shakespeare_cloze": 150, "shakespeare_speaker": 150, "shakespeare_scene": 150}
+PER_PLAY = 125  # documents per play and task: 500 per task
 
 
 @dataclass
@@ -81,71 +81,123 @@ def plays(split: str) -> dict[str, list[list[Speech]]]:
     return {p.stem: parse(p.read_text(encoding="utf-8")) for p in sorted(assets.shakespeare(split).glob("*.txt"))}
 
 
-def word_counts() -> Counter:
-    """Lower-case word counts on the training plays: the frequency bands of the cloze distractors."""
-    c: Counter = Counter()
+def word_counts() -> tuple[Counter, Counter]:
+    """Word counts on the training plays, lower-cased, and of the words written in lower case (not names)."""
+    every: Counter = Counter()
+    lower: Counter = Counter()
     for p in sorted(assets.shakespeare("train").glob("*.txt")):
-        c.update(w.lower() for w in WORD.findall(p.read_text(encoding="utf-8")))
-    return c
+        words = WORD.findall(p.read_text(encoding="utf-8"))
+        every.update(w.lower() for w in words)
+        lower.update(w for w in words if w.islower())
+    return every, lower
 
 
-def _tail(words: list[str], n: int) -> str:
-    return " ".join(words[-n:])
+def _stream(scene: list[Speech]) -> list[tuple[str, bool]]:
+    """The scene as (word, is_heading) pairs: "KING RICHARD." headings, then the speech's words."""
+    out: list[tuple[str, bool]] = []
+    for sp in scene:
+        out.append((sp.speaker + ".", True))
+        out += [(w, False) for line in sp.lines for w in line.split()]
+    return out
 
 
-def cloze_items(scenes: list[list[Speech]], counts: Counter, rng: random.Random, n: int,
+def _bare(token: str) -> str:
+    return token.strip(".,;:!?-'\"()")
+
+
+class Bands:
+    """Frequency bands of the training plays' words: floor(log2(count)); function words (the top 100) and
+    names (words mostly written capitalised) are left out."""
+
+    def __init__(self, counts: tuple[Counter, Counter], min_count: int = 8, min_band: int = 20):
+        self.counts, lower = counts
+        ranked = [w for w, _ in self.counts.most_common()]
+        self.common = set(ranked[:100])
+        self.members: dict[int, list[str]] = {}
+        for w in ranked:  # candidates are words mostly written in lower case: no names
+            if (w not in self.common and self.counts[w] >= min_count and w.isalpha() and len(w) >= 3
+                    and lower[w] >= 0.8 * self.counts[w]):
+                self.members.setdefault(self.band(w), []).append(w)
+        self.allowed = {w for ws in self.members.values() for w in ws}
+        self.min_band = min_band
+
+    def band(self, w: str) -> int:
+        return int(math.log2(self.counts[w]))
+
+    def target(self, token: str) -> bool:
+        """A lower-case content word with enough same-band neighbours to draw distractors from."""
+        w = _bare(token)
+        return (w == token and w in self.allowed and len(self.members[self.band(w)]) >= self.min_band)
+
+    def distractors(self, w: str, avoid: set[str], rng: random.Random, k: int = 3) -> list[str]:
+        return rng.sample([x for x in self.members[self.band(w)] if x != w and x not in avoid], k)
+
+
+def _choices(true: str, others: list[str], rng: random.Random) -> tuple[list[str], int]:
+    choices = others + [true]
+    rng.shuffle(choices)
+    return choices, choices.index(true)
+
+
+def cloze_items(scenes: list[list[Speech]], bands: Bands, rng: random.Random, n: int,
                 context_words: int = 40) -> list[dict]:
-    """A lower-case word of a verse line and three same-band distractors; context = the speech up to it."""
-    band = lambda w: int(math.log2(counts[w]))  # noqa: E731
-    ranked = [w for w, _ in counts.most_common()]
-    common = set(ranked[:100])  # function words: syntax alone picks them
-    by_band: dict[int, list[str]] = {}
-    for w in ranked:
-        if w not in common and counts[w] >= 8 and w.isalpha() and len(w) >= 3:
-            by_band.setdefault(band(w), []).append(w)
-    candidates = []
-    for scene in scenes:
-        for sp in scene:
-            for i, line in enumerate(sp.lines):
-                words = line.split()
-                for j, tok in enumerate(words):
-                    w = tok.strip(".,;:!?-'\"()")
-                    if (j >= 2 and j < len(words) - 1 and w == tok and w.islower() and w in counts
-                            and w not in common and counts[w] >= 8 and len(by_band.get(band(w), [])) >= 20):
-                        candidates.append((sp, i, j, w))
+    """A word removed from a line: the speech up to it, then each same-band candidate + the rest of the line."""
+    candidates = [(sp, i, j) for scene in scenes for sp in scene for i, line in enumerate(sp.lines)
+                  for j, tok in enumerate(line.split()) if 2 <= j < len(line.split()) - 1 and bands.target(tok)]
     items = []
-    for sp, i, j, w in rng.sample(candidates, min(n, len(candidates))):
+    for sp, i, j in rng.sample(candidates, min(n, len(candidates))):
         words = sp.lines[i].split()
-        before = " ".join(" ".join(sp.lines[:i]).split() + words[:j])
-        after = " ".join(words[j + 1:])
-        in_line = {x.strip(".,;:!?-'\"()").lower() for x in words}
-        pool = [x for x in by_band[band(w)] if x != w and x not in in_line]
-        choices = rng.sample(pool, 3) + [w]
-        rng.shuffle(choices)
-        items.append({"context": _tail(before.split(), context_words),
-                      "choices": [f"{c} {after}" for c in choices], "label": choices.index(w), "answer": w})
+        w, after = words[j], " ".join(words[j + 1:])
+        before = " ".join(sp.lines[:i]).split() + words[:j]
+        others = bands.distractors(w, {_bare(x).lower() for x in words}, rng)
+        choices, label = _choices(w, others, rng)
+        items.append({"context": " ".join(before[-context_words:]), "choices": [f"{c} {after}" for c in choices],
+                      "label": label, "answer": w})
     return items
 
 
-def _speech_text(sp: Speech, max_lines: int = 3) -> str:
-    return f"{sp.speaker}.\n" + "\n".join(sp.lines[-max_lines:])
-
-
-def speaker_items(scenes: list[list[Speech]], rng: random.Random, n: int, previous: int = 3) -> list[dict]:
-    """The next speaker heading after `previous` speeches of the scene, among four speakers of the play."""
-    speakers = Counter(sp.speaker for scene in scenes for sp in scene)
-    cast = [s for s, k in speakers.most_common() if k >= 3]
-    candidates = [(scene, k) for scene in scenes for k in range(previous, len(scene))]
+def recall_items(scenes: list[list[Speech]], bands: Bands, rng: random.Random, n: int,
+                 context_words: int = 40, gap: int = 8) -> list[dict]:
+    """The next word, which was said earlier in the passage (not in its last `gap` words), among four
+    same-band words the passage does not contain: what the model takes from context beyond n-grams."""
+    candidates = []
+    for scene in scenes:
+        stream = _stream(scene)
+        for k in range(context_words, len(stream)):
+            tok, heading = stream[k]
+            if heading or not bands.target(tok):
+                continue
+            context = [t for t, _ in stream[k - context_words:k]]
+            if tok in {_bare(t).lower() for t in context[:-gap]}:
+                candidates.append((context, tok))
     items = []
-    for scene, k in rng.sample(candidates, min(n, len(candidates))):
-        true = scene[k].speaker
-        in_scene = list(dict.fromkeys(sp.speaker for sp in scene if sp.speaker != true))
-        pool = in_scene if len(in_scene) >= 3 else in_scene + [s for s in cast if s != true and s not in in_scene]
-        choices = rng.sample(pool[:max(3, len(in_scene))], 3) + [true]
-        rng.shuffle(choices)
-        context = "\n\n".join(_speech_text(sp) for sp in scene[k - previous:k])
-        items.append({"context": context, "choices": [f"{c}." for c in choices], "label": choices.index(true),
-                      "answer": true})
+    for context, w in rng.sample(candidates, min(n, len(candidates))):
+        choices, label = _choices(w, bands.distractors(w, {_bare(t).lower() for t in context}, rng), rng)
+        items.append({"context": " ".join(context), "choices": choices, "label": label, "answer": w})
+    return items
+
+
+def order_items(scenes: list[list[Speech]], rng: random.Random, n: int, context_words: int = 30,
+                min_words: int = 6) -> list[dict]:
+    """A line as written vs the same line with two adjacent words swapped, after the passage before it."""
+    candidates = []
+    for scene in scenes:
+        words: list[str] = []
+        for sp in scene:
+            words.append(sp.speaker + ".")
+            for line in sp.lines:
+                lw = line.split()
+                if len(lw) >= min_words and len(words) >= context_words:
+                    candidates.append((words[-context_words:], lw))
+                words += lw
+    items = []
+    for context, lw in rng.sample(candidates, min(n, len(candidates))):
+        swapped = lw
+        while swapped == lw:  # a swap of two equal words changes nothing: draw again
+            i = rng.randrange(len(lw) - 1)
+            swapped = lw[:i] + [lw[i + 1], lw[i]] + lw[i + 2:]
+        choices, label = _choices(" ".join(lw), [" ".join(swapped)], rng)
+        items.append({"context": " ".join(context), "choices": choices, "label": label})
     return items
 
 
@@ -157,87 +209,67 @@ def scene_items(scenes: list[list[Speech]], rng: random.Random, n: int, min_word
     for _ in range(n):
         a, b = rng.sample(usable, 2)
         anchor, same = rng.sample(lines[a], 2)
-        other = rng.choice(lines[b])
-        first = rng.random() < 0.5
-        items.append({"anchor": anchor, "choices": [same, other] if first else [other, same],
-                      "label": 0 if first else 1})
+        choices, label = _choices(same, [rng.choice(lines[b])], rng)
+        items.append({"anchor": anchor, "choices": choices, "label": label})
     return items
 
 
-YAML = {
-    "shakespeare_cloze": """\
-# Built by eval/build_tasks.py from the {split} plays; do not edit by hand.
-# Which word was removed from this line? Four words of the same frequency band;
-# each choice is scored together with the rest of its line. Chance: 0.25.
-tag: shakespeare
-task: shakespeare_cloze
-custom_dataset: !function pruner.tasks.jsonl_dataset
-dataset_kwargs:
-  data_files: {{test: shakespeare_cloze.jsonl}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""",
-    "shakespeare_speaker": """\
-# Built by eval/build_tasks.py from the {split} plays; do not edit by hand.
-# Who speaks next? The previous speeches of the scene with their headings, then
-# the next heading among four speakers of the play. Chance: 0.25.
-tag: shakespeare
-task: shakespeare_speaker
-custom_dataset: !function pruner.tasks.jsonl_dataset
-dataset_kwargs:
-  data_files: {{test: shakespeare_speaker.jsonl}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-target_delimiter: "\\n\\n"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""",
+# Harness tasks: name -> (what the YAML says about it, chance). All are multiple choice.
+HARNESS = {
+    "shakespeare_cloze": ("Which word was removed from this line? Four words of the same frequency band;\n"
+                          "# each choice is scored together with the rest of its line.", "0.25"),
+    "shakespeare_recall": ("Which word comes next? It was said earlier in the passage; the three others,\n"
+                           "# of the same frequency band, were not.", "0.25"),
+    "shakespeare_order": ("Which is the line as written: the line, or the line with two adjacent words\n"
+                          "# swapped?", "0.5"),
 }
+TEMPLATE = """\
+# Built by eval/build_tasks.py from the {split} plays; do not edit by hand.
+# {about} Chance: {chance}.
+tag: shakespeare
+task: {task}
+custom_dataset: !function pruner.tasks.jsonl_dataset
+dataset_kwargs:
+  data_files: {{test: {task}.jsonl}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
 
 
-def build(split: str, out: Path) -> dict[str, int]:
-    counts = word_counts()
+def build(split: str, out: Path, per_play: int = PER_PLAY) -> dict[str, int]:
+    """Every task's documents (`per_play` from each play, in a seeded order) and YAML, into `out/<task>/`."""
+    bands = Bands(word_counts())
     scenes_of = plays(split)
     made = {}
-    for task, n in PER_PLAY.items():
+    for task in (*HARNESS, "shakespeare_scene"):
         items = []
         for name, scenes in scenes_of.items():
             rng = random.Random(f"{SEED}:{task}:{name}")  # string seeds hash deterministically
-            if task == "shakespeare_cloze":
-                got = cloze_items(scenes, counts, rng, n)
-            elif task == "shakespeare_speaker":
-                got = speaker_items(scenes, rng, n)
-            else:
-                got = scene_items(scenes, rng, n)
+            got = {"shakespeare_cloze": lambda: cloze_items(scenes, bands, rng, per_play),
+                   "shakespeare_recall": lambda: recall_items(scenes, bands, rng, per_play),
+                   "shakespeare_order": lambda: order_items(scenes, rng, per_play),
+                   "shakespeare_scene": lambda: scene_items(scenes, rng, per_play)}[task]()
             items += [{"play": name, **x} for x in got]
+        random.Random(f"{SEED}:{task}").shuffle(items)  # any first N documents mix the plays
         folder = out / task
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{task}.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items),
                                               encoding="utf-8")
-        if task in YAML:
-            (folder / f"{task}.yaml").write_text(YAML[task].format(split=split))
+        if task in HARNESS:
+            about, chance = HARNESS[task]
+            (folder / f"{task}.yaml").write_text(TEMPLATE.format(split=split, about=about, chance=chance, task=task))
         made[task] = len(items)
     return made
 

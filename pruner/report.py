@@ -22,29 +22,53 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def compare_table(records: list[dict]) -> str:
-    """Rows: scorer; columns: sparsity x compensation, cells: +dPPL [CI]."""
+def _grid(records: list[dict], cell) -> tuple[list[str], list[list]]:
+    """Rows: scorer; columns: compensation x sparsity; `cell(record)` fills each (n/a where it failed)."""
     sparsities = sorted({r["sparsity"] for r in records})
-    comps = [c for c in ("zero", "mean") if any(r["compensation"] == c for r in records)]
+    comps = list(dict.fromkeys(r["compensation"] for r in records))
     scorers = list(dict.fromkeys(r["scorer"] for r in records))
-    cell = {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records}
+    at = {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records}
     header = ["scorer"] + [f"{c} @ {s:g}" for c in comps for s in sparsities]
     rows = []
     for name in scorers:
         row = [name]
         for c in comps:
             for s in sparsities:
-                r = cell.get((name, s, c))
-                if r is None or "error" in r:
-                    row.append("n/a")
-                else:
-                    row.append(f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]")
+                r = at.get((name, s, c))
+                row.append("n/a" if r is None or "error" in r else cell(r))
         rows.append(row)
+    return header, rows
+
+
+def compare_table(records: list[dict]) -> str:
+    """Rows: scorer; columns: sparsity x compensation, cells: +dPPL [CI]; then one accuracy table per task metric."""
+    header, rows = _grid(records, lambda r: f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]")
     ok = [r for r in records if "error" not in r]
     base = ok[0]["base"] if ok else float("nan")
     notes = sorted({f"- n/a at {r['sparsity']:g}: {r['error']}" for r in records if "error" in r})
+    tables = task_tables(records)
     return (f"base perplexity {base:.2f}; cells: perplexity change [95% CI]\n\n" + markdown_table(header, rows)
-            + ("\n\n" + "\n".join(notes) if notes else ""))
+            + ("\n\n" + tables if tables else "") + ("\n\n" + "\n".join(notes) if notes else ""))
+
+
+def task_metrics(records: list[dict]) -> list[tuple[str, str]]:
+    """(task, metric) pairs the records hold, in order of first appearance."""
+    return list(dict.fromkeys((t, m) for r in records for t, ms in r.get("tasks", {}).items() for m in ms))
+
+
+def task_tables(records: list[dict]) -> str:
+    """Per task and metric: accuracy change of every plan vs the base, same documents, bootstrap CI."""
+    out = []
+    for task, metric in task_metrics(records):
+        def cell(r, task=task, metric=metric):
+            d = r.get("tasks", {}).get(task, {}).get(metric)
+            return "n/a" if d is None else f"{d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"
+
+        header, rows = _grid(records, cell)
+        first = next(r["tasks"][task][metric] for r in records if task in r.get("tasks", {}))
+        out.append(f"{task} {metric}: base {first['base']:.3f} on {first['docs']} documents; "
+                   f"cells: change [95% CI]\n\n" + markdown_table(header, rows))
+    return "\n\n".join(out)
 
 
 def plot_compare(records: list[dict], path: Path, title: str) -> None:
@@ -111,9 +135,12 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
     buf = io.StringIO()
     keys = ["scorer", "sparsity", "compensation", "pruned_heads", "base", "pruned", "delta", "ci_low", "ci_high",
             "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    task_keys = [f"{t}/{m}/{k}" for t, m in task_metrics(records) for k in ("base", "pruned", "delta", "ci_low",
+                                                                             "ci_high", "docs")]
+    w = csv.DictWriter(buf, fieldnames=keys + task_keys, extrasaction="ignore")
     w.writeheader()
-    w.writerows(r for r in records if "error" not in r)
+    w.writerows({**r, **{f"{t}/{m}/{k}": v for t, ms in r.get("tasks", {}).items() for m, d in ms.items()
+                         for k, v in d.items()}} for r in records if "error" not in r)
     (folder / "compare.csv").write_text(buf.getvalue())
     table = compare_table(records)
     title = f"{recipe.model.path}: perplexity change vs heads pruned"
@@ -138,6 +165,13 @@ def result_table(metrics: dict, params_after: int | None = None) -> str:
         ["parameters", f"{metrics['params_before']:,} -> {after:,}"],
         ["latency (ms / batch)", _ms(metrics["latency_ms_before"]) + " -> " + _ms(metrics["latency_ms_after"])],
     ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else []))
+
+
+def task_result_table(tasks: dict) -> str:
+    """One pruning run's downstream accuracy: per task and metric, base -> pruned, change [95% CI]."""
+    return markdown_table(["task", "metric", "documents", "base", "pruned", "change [95% CI]"], [
+        [t, m, d["docs"], f"{d['base']:.3f}", f"{d['pruned']:.3f}",
+         f"{d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"] for t, ms in tasks.items() for m, d in ms.items()])
 
 
 def sensitivity_text(metrics: dict) -> str | None:
@@ -166,6 +200,9 @@ def run_report(metrics: dict, plan_json: str) -> str:
              f"`{metrics['scorer']}`" + (f" ({metrics['convention']} convention)" if metrics["convention"] else "")
              + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
              result_table(metrics), ""]
+    if metrics["evaluation"].get("tasks"):
+        lines += ["## Downstream tasks (same documents; bootstrap CI over documents)", "",
+                  task_result_table(metrics["evaluation"]["tasks"]), ""]
     sens = sensitivity_text(metrics)
     if sens:
         lines += [sens, ""]

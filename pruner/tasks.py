@@ -311,3 +311,60 @@ class Harness:
 
     def scores(self) -> dict[str, TaskScores]:
         return run_tasks(self.lm, self.tasks, self.spec)
+
+
+# ---------------------------------------------------------------- encoders: an embedding task (no harness)
+
+EMBEDDING_TASKS = ("shakespeare_scene",)
+
+
+@dataclass(frozen=True)
+class EmbeddingTask:
+    """Triplets over a list of lines: anchor, two choices, and which choice belongs with the anchor."""
+
+    name: str
+    lines: tuple[str, ...]
+    anchor: torch.Tensor   # (doc,) index into lines
+    choices: torch.Tensor  # (doc, 2)
+    label: torch.Tensor    # (doc,) 0 or 1
+
+
+def load_embedding_task(name: str, limit: int | None = None) -> EmbeddingTask:
+    """A shipped embedding task (jsonl rows {"anchor", "choices": [a, b], "label"}), first `limit` documents."""
+    if name not in EMBEDDING_TASKS:
+        raise TaskError(f"unknown embedding task {name!r}; valid: {', '.join(EMBEDDING_TASKS)}")
+    rows = [json.loads(x) for x in (SUITE / name / f"{name}.jsonl").read_text(encoding="utf-8").splitlines() if x]
+    rows = rows[:limit]
+    index: dict[str, int] = {}
+    for r in rows:
+        for line in (r["anchor"], *r["choices"]):
+            index.setdefault(line, len(index))
+    return EmbeddingTask(name, tuple(index), torch.tensor([index[r["anchor"]] for r in rows]),
+                         torch.tensor([[index[c] for c in r["choices"]] for r in rows]),
+                         torch.tensor([r["label"] for r in rows]))
+
+
+@torch.no_grad()
+def pooled_embeddings(model, tokenizer, lines: tuple[str, ...], max_length: int = 64,
+                      batch_size: int = 32) -> torch.Tensor:
+    """Mean of the last hidden states over each line's tokens (sentence-transformers' pooling). (line, d)"""
+    from pruner.models import forward
+
+    model.eval()
+    out = []
+    for i in range(0, len(lines), batch_size):
+        enc = [tokenizer(x, truncation=True, max_length=max_length)["input_ids"] for x in lines[i:i + batch_size]]
+        batch = data.pad(enc, pad_id=tokenizer.pad_token_id or 0)
+        h = forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True).hidden_states[-1].float()
+        m = batch.attention_mask[..., None].to(h)
+        out.append(((h * m).sum(1) / m.sum(1)).cpu())
+    return torch.cat(out)
+
+
+def embedding_scores(model, tokenizer, task: EmbeddingTask, batch_size: int = 32) -> TaskScores:
+    """acc per document: the choice with the higher cosine to the anchor is the labelled one."""
+    emb = torch.nn.functional.normalize(pooled_embeddings(model, tokenizer, task.lines, batch_size=batch_size), dim=-1)
+    cos = (emb[task.anchor][:, None, :] * emb[task.choices]).sum(-1)  # (doc, 2)
+    right = cos.gather(1, task.label[:, None])[:, 0] > cos.gather(1, 1 - task.label[:, None])[:, 0]
+    n = len(task.label)
+    return TaskScores(task.name, tuple(range(n)), ("",) * n, {"acc": right.double()})
