@@ -368,3 +368,55 @@ def embedding_scores(model, tokenizer, task: EmbeddingTask, batch_size: int = 32
     right = cos.gather(1, task.label[:, None])[:, 0] > cos.gather(1, 1 - task.label[:, None])[:, 0]
     n = len(task.label)
     return TaskScores(task.name, tuple(range(n)), ("",) * n, {"acc": right.double()})
+
+
+# ---------------------------------------------------------------- what the pipeline calls
+
+class Downstream:
+    """Everything `evaluation.tasks` asks for on one model: harness tasks (causal LMs) and embedding tasks.
+
+    Built before any compute, so an unknown task, a missing extra or an unreachable dataset fails
+    first. `scores()` scores the model as it is at that moment: the base once, then each plan under
+    its scoped mask; `paired(base, pruned)` gives the accuracy changes on the same documents.
+    """
+
+    def __init__(self, model, tokenizer, spec: TaskSpec, causal: bool, n_boot: int = 1000, progress: bool = False):
+        self.model, self.tokenizer, self.spec, self.n_boot = model, tokenizer, spec, n_boot
+        harness = tuple(n for n in spec.names if n not in EMBEDDING_TASKS)
+        if harness and not causal:
+            raise TaskError(f"tasks {list(harness)} are scored by lm-evaluation-harness, which needs a causal LM; "
+                            f"for an encoder use the embedding task {', '.join(EMBEDDING_TASKS)}")
+        self.embedding = [load_embedding_task(n, spec.limit) for n in spec.names if n in EMBEDDING_TASKS]
+        self.harness = Harness(model, tokenizer, TaskSpec(harness, spec.paths, spec.limit, spec.num_fewshot,
+                                                          spec.batch_size, spec.bos, spec.seed), progress) \
+            if harness else None
+
+    def scores(self) -> dict[str, TaskScores]:
+        out = self.harness.scores() if self.harness else {}
+        for task in self.embedding:
+            out[task.name] = embedding_scores(self.model, self.tokenizer, task, batch_size=self.spec.batch_size)
+        return out
+
+    def paired(self, base: dict[str, TaskScores], pruned: dict[str, TaskScores]) -> dict[str, dict[str, dict]]:
+        """{task: {metric: {base, pruned, delta, ci_low, ci_high, docs}}}, as metrics.json and compare.json hold."""
+        out: dict[str, dict[str, dict]] = {}
+        for name, b in base.items():
+            for d in paired_accuracy(b, pruned[name], n_boot=self.n_boot, seed=self.spec.seed):
+                out.setdefault(name, {})[d.metric] = {"base": d.base, "pruned": d.pruned, "delta": d.delta,
+                                                      "ci_low": d.ci_low, "ci_high": d.ci_high, "docs": d.docs}
+        return out
+
+
+def accuracy_ci(scores: dict[str, TaskScores], n_boot: int = 1000, seed: int = 0,
+                level: float = 0.95) -> dict[str, dict[str, dict]]:
+    """One model's accuracies: {task: {metric: {value, ci_low, ci_high, docs}}}, percentile bootstrap over documents."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    out: dict[str, dict[str, dict]] = {}
+    for name, s in scores.items():
+        idx = torch.randint(len(s.doc_ids), (max(n_boot, 1), len(s.doc_ids)), generator=g)
+        for m, x in s.metrics.items():
+            lo, hi = torch.quantile(x[idx].mean(-1), q)
+            out.setdefault(name, {})[m] = {"value": x.mean().item(), "ci_low": lo.item(), "ci_high": hi.item(),
+                                           "docs": len(s.doc_ids)}
+    return out

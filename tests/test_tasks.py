@@ -123,3 +123,55 @@ def test_paired_accuracy_bootstrap():
     assert d.ci_low < -0.5 < d.ci_high < 0
     with pytest.raises(ValueError, match="same documents"):
         tasks.paired_accuracy(base, tasks.TaskScores("t", ids[::-1], ("p",) * 40, {"acc": half}))
+
+
+@pytest.mark.unit
+def test_missing_extra_unknown_task_and_encoder_refusal_are_one_clear_error(monkeypatch, word_tokenizer):
+    with pytest.raises(tasks.TaskError, match=r"encoder: use the embedding task shakespeare_scene|needs a causal LM"):
+        tasks.Downstream(tiny_model("bert"), word_tokenizer, tasks.TaskSpec(("shakespeare_cloze",)), causal=False)
+    with pytest.raises(tasks.TaskError, match=r"unknown embedding task 'scene'"):
+        tasks.load_embedding_task("scene")
+    with pytest.raises(tasks.TaskError, match=r"no .yaml task files"):
+        tasks.load_tasks(tasks.TaskSpec(("x",), (str(tasks.SUITE.parent / "models"),)))
+    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the extra were not installed
+    with pytest.raises(tasks.TaskError, match=r'not installed: pip install "\.\[tasks\]"'):
+        tasks.load_tasks(tasks.TaskSpec(("shakespeare_cloze",)))
+
+
+@pytest.mark.unit
+def test_recipe_task_keys():
+    from pruner.recipe import RecipeError, load_recipe
+
+    r = load_recipe("recipes/quickstart.yaml", ["evaluation.tasks=[shakespeare]", "evaluation.task_limit=50",
+                                                "evaluation.num_fewshot=0", "evaluation.task_paths=[a, b]"])
+    spec = tasks.spec_from_recipe(r.evaluation)
+    assert spec == tasks.TaskSpec(("shakespeare",), ("a", "b"), 50, 0, 8, True, 0)
+    with pytest.raises(RecipeError, match=r"evaluation: task_limit applies only with evaluation.tasks"):
+        load_recipe("recipes/quickstart.yaml", ["evaluation.task_limit=50"])
+    with pytest.raises(RecipeError, match=r"evaluation.task_limit: Input should be greater than or equal to 1"):
+        load_recipe("recipes/quickstart.yaml", ["evaluation.tasks=[x]", "evaluation.task_limit=0"])
+
+
+@pytest.mark.integration
+def test_embedding_task_is_the_cosine_of_pooled_embeddings():
+    """all-MiniLM-L6-v2 (encoder): each document's verdict is cos(anchor, labelled) > cos(anchor, other)."""
+    model, tok = models.load_model("minilm"), models.load_tokenizer("minilm")
+    ds = tasks.Downstream(model, tok, tasks.TaskSpec(("shakespeare_scene",), limit=16, batch_size=8), causal=False,
+                          n_boot=100)
+    task, base = ds.embedding[0], ds.scores()
+    s = base["shakespeare_scene"]
+    assert len(s.doc_ids) == 16 and set(s.metrics["acc"].tolist()) <= {0.0, 1.0}
+    with torch.no_grad():
+        def embed(text):
+            return model(**tok(text, return_tensors="pt")).last_hidden_state[0].mean(0)
+
+        for i in range(3):
+            a, c = embed(task.lines[task.anchor[i]]), [embed(task.lines[j]) for j in task.choices[i]]
+            cos = [torch.cosine_similarity(a, x, dim=0).item() for x in c]
+            assert s.metrics["acc"][i].item() == float(cos[task.label[i]] > cos[1 - task.label[i]])
+    g = arch.geometry(model)
+    with surgery.masked(model, {layer: list(range(1, g.n_heads)) for layer in range(g.n_layers)}):
+        masked = ds.scores()
+    d = ds.paired(base, masked)["shakespeare_scene"]["acc"]
+    assert d["docs"] == 16 and d["delta"] == pytest.approx(d["pruned"] - d["base"])
+    assert not torch.equal(s.metrics["acc"], masked["shakespeare_scene"].metrics["acc"])
