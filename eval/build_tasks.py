@@ -201,16 +201,21 @@ def order_items(scenes: list[list[Speech]], rng: random.Random, n: int, context_
     return items
 
 
-def scene_items(scenes: list[list[Speech]], rng: random.Random, n: int, min_words: int = 6) -> list[dict]:
-    """An anchor line, another line of its scene, and a line of another scene of the same play."""
-    lines = [[ln for sp in scene for ln in sp.lines if len(ln.split()) >= min_words] for scene in scenes]
-    usable = [i for i, ls in enumerate(lines) if len(ls) >= 10]
+def speech_items(plays_scenes: dict[str, list[list[Speech]]], play: str, rng: random.Random, n: int,
+                 half: int = 2) -> list[dict]:
+    """The first `half` lines of a speech; which of two passages continues it: its next `half` lines, or
+    `half` consecutive lines of a speech from another play."""
+    def passages(name):
+        return [sp.lines for scene in plays_scenes[name] for sp in scene if len(sp.lines) >= 2 * half]
+
+    own = passages(play)
+    others = [lines for name in plays_scenes if name != play for lines in passages(name)]
     items = []
-    for _ in range(n):
-        a, b = rng.sample(usable, 2)
-        anchor, same = rng.sample(lines[a], 2)
-        choices, label = _choices(same, [rng.choice(lines[b])], rng)
-        items.append({"anchor": anchor, "choices": choices, "label": label})
+    for lines in rng.sample(own, min(n, len(own))):
+        other = rng.choice(others)
+        k = rng.randrange(len(other) - half + 1)
+        choices, label = _choices(" ".join(lines[half:2 * half]), [" ".join(other[k:k + half])], rng)
+        items.append({"anchor": " ".join(lines[:half]), "choices": choices, "label": label})
     return items
 
 
@@ -253,14 +258,14 @@ def build(split: str, out: Path, per_play: int = PER_PLAY) -> dict[str, int]:
     bands = Bands(word_counts())
     scenes_of = plays(split)
     made = {}
-    for task in (*HARNESS, "shakespeare_scene"):
+    for task in (*HARNESS, "shakespeare_speech"):
         items = []
         for name, scenes in scenes_of.items():
             rng = random.Random(f"{SEED}:{task}:{name}")  # string seeds hash deterministically
             got = {"shakespeare_cloze": lambda: cloze_items(scenes, bands, rng, per_play),
                    "shakespeare_recall": lambda: recall_items(scenes, bands, rng, per_play),
                    "shakespeare_order": lambda: order_items(scenes, rng, per_play),
-                   "shakespeare_scene": lambda: scene_items(scenes, rng, per_play)}[task]()
+                   "shakespeare_speech": lambda: speech_items(scenes_of, name, rng, per_play)}[task]()
             items += [{"play": name, **x} for x in got]
         random.Random(f"{SEED}:{task}").shuffle(items)  # any first N documents mix the plays
         folder = out / task

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from pruner import arch, models, surgery, tasks  # noqa: E402
 from pruner.report import markdown_table  # noqa: E402
 
-CHANCE = {"shakespeare_cloze": 0.25, "shakespeare_recall": 0.25, "shakespeare_order": 0.5, "shakespeare_scene": 0.5}
+CHANCE = {"shakespeare_cloze": 0.25, "shakespeare_recall": 0.25, "shakespeare_order": 0.5, "shakespeare_speech": 0.5}
 
 
 def random_half(model, seed: int) -> dict[int, list[int]]:
@@ -52,7 +52,7 @@ def mean_scores(runs: list[dict[str, tasks.TaskScores]]) -> dict[str, tasks.Task
 def study(name: str, limit: int | None, seeds: int, batch_size: int) -> list[dict]:
     encoder = name == "minilm"
     model, tok = models.load_model(name), models.load_tokenizer(name)
-    names = ("shakespeare_scene",) if encoder else ("shakespeare_cloze", "shakespeare_recall", "shakespeare_order")
+    names = ("shakespeare_speech",) if encoder else ("shakespeare_cloze", "shakespeare_recall", "shakespeare_order")
     ds = tasks.Downstream(model, tok, tasks.TaskSpec(names, limit=limit, batch_size=batch_size), causal=not encoder)
     t0 = time.time()
     base = ds.scores()

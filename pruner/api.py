@@ -414,7 +414,8 @@ def _same_tokenizer(a, b, names: tuple[str, str]) -> None:
 
 @dataclass
 class Evaluation:
-    """Perplexity of one model on the evaluation windows; paired with a base model when one is given."""
+    """Perplexity of one model on the evaluation windows, and with evaluation.tasks each task's accuracy;
+    paired with a base model when one is given (a run folder's base, or `base=`)."""
 
     metrics: dict
 
@@ -423,19 +424,33 @@ class Evaluation:
         text = f"Evaluation({m['model']}: perplexity {m['perplexity']:.2f} on {m['windows']} windows"
         if "delta" in m:
             text += f"; vs {m['base_model']} {m['base']:.2f}: {m['delta']:+.2f} [{m['ci_low']:+.2f}, {m['ci_high']:+.2f}]"
+        for task, metrics in m.get("tasks", {}).items():
+            d = metrics.get("acc") or next(iter(metrics.values()))
+            text += (f"; {task} acc {d['pruned']:.3f} ({d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}])"
+                     if "delta" in d else f"; {task} acc {d['value']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}]")
         return text + ")"
+
+    def table(self) -> str:
+        """Markdown: each task's accuracy (with a base: base, this model, the paired change) and 95% CI."""
+        from pruner.tasks import accuracy_table
+
+        return accuracy_table(self.metrics.get("tasks", {}))
 
 
 def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progress: bool = True,
              **overrides) -> Evaluation:
-    """Perplexity of a model object, a shipped name / folder / Hub id, an export, or a run folder.
+    """Perplexity (and downstream accuracy) of a model object, a shipped name / folder / Hub id, an export,
+    or a run folder.
 
     A run folder (what `pruner prune` wrote) is rebuilt from its base model and
     plan and evaluated paired with that base, as `prune` measured it. `base` (a
-    model object or name) pairs any other model with a base on the same windows.
-    `data`: evaluation texts or source (default: the recipe's, the shipped
-    evaluation plays).
+    model object or name) pairs any other model with a base on the same windows
+    and documents. `data`: evaluation texts or source (default: the recipe's, the
+    shipped evaluation plays). `tasks=[...]` (and `task_paths`, `task_limit`,
+    `num_fewshot`) adds lm-evaluation-harness / embedding tasks: accuracy with a
+    bootstrap CI, or with a base the paired change.
     """
+    from pruner import tasks
     from pruner.perplexity import paired_delta, perplexity, window_scores
 
     if isinstance(model, (str, Path)) and (Path(model) / "plan.json").exists():
@@ -450,10 +465,14 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     model = call.model if call.model is not None else models.load_base(call.recipe.model)
     tok = call.tokenizer or models.load_tokenizer(call.recipe.model.path)
     causal = models.attends_causally(model)
-    windows = pipeline.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
     ev = call.recipe.evaluation
+    downstream = lambda m: tasks.Downstream(m, tok, tasks.spec_from_recipe(ev), causal,  # noqa: E731
+                                            n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
+    tasks_of = downstream(model)  # unknown tasks, a missing extra, an unreachable dataset: before any compute
+    windows = pipeline.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
     nll, count, _ = window_scores(model, windows, ev.batch_size, progress=progress, causal=causal)
     out = {"model": name, "perplexity": perplexity(nll, count), "windows": len(windows), "tokens": int(count.sum())}
+    scores = tasks_of.scores() if tasks_of else None
     if base is not None:
         base_model = models.load_base(call.recipe.model.model_copy(update={"path": str(base)})) \
             if isinstance(base, (str, Path)) else base
@@ -461,6 +480,10 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
         d = paired_delta((b_nll, b_count), (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
         out.update({"base_model": str(base) if isinstance(base, (str, Path)) else IN_MEMORY, "base": d.base,
                     "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high})
+        if tasks_of:
+            out["tasks"] = tasks_of.paired(downstream(base_model).scores(), scores)
+    elif scores is not None:
+        out["tasks"] = tasks.accuracy_ci(scores, n_boot=max(ev.bootstrap, 1), seed=ev.seed)
     return Evaluation(out)
 
 

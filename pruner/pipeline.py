@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, data, distributed, models, surgery
+from pruner import arch, data, distributed, models, surgery, tasks
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
 from pruner.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -44,6 +44,7 @@ class Session:
     calibration: data.TokenBatch
     evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
     _evaluation: EvalWindows | None = field(default=None, repr=False)
+    _downstream: tasks.Downstream | None = field(default=None, repr=False)
 
     @property
     def evaluation(self) -> EvalWindows:
@@ -51,6 +52,15 @@ class Session:
             self._evaluation = evaluation_windows(self.recipe, self.model, self.tokenizer, self.causal,
                                                   self.evaluation_texts)
         return self._evaluation
+
+    @property
+    def downstream(self) -> tasks.Downstream | None:
+        """The recipe's evaluation.tasks, loaded once (None without tasks)."""
+        ev = self.recipe.evaluation
+        if self._downstream is None and ev.tasks:
+            self._downstream = tasks.Downstream(self.model, self.tokenizer, tasks.spec_from_recipe(ev), self.causal,
+                                                n_boot=max(ev.bootstrap, 1))
+        return self._downstream
 
 
 def _source(spec) -> data.TextSource:
@@ -95,6 +105,7 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts)
     if evaluation:
         session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
+        session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
     if spec.mode == "auto":
         session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size)
     check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
@@ -158,15 +169,19 @@ def apply(model, heads: dict[int, list[int]], bias, mode: str) -> None:
 
 
 def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], bias, base) -> dict:
-    """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows."""
+    """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows;
+    with evaluation.tasks, each task's accuracy change on the same documents."""
     ev = session.recipe.evaluation
     with surgery.masked(session.model, plan_heads, bias):
         nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size,
                                         causal=session.causal, pool=not session.causal)
+        scores = session.downstream.scores() if session.downstream else None
     d = paired_delta(base["nll"], (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
     out = asdict(d)
     if emb is not None:
         out["fidelity"] = fidelity(base["emb"], emb)
+    if scores is not None:
+        out["tasks"] = session.downstream.paired(base["tasks"], scores)
     return out
 
 
@@ -174,7 +189,7 @@ def base_metrics(session: Session, progress: bool = True) -> dict:
     ev = session.recipe.evaluation
     nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
                                     causal=session.causal, pool=not session.causal)
-    return {"nll": (nll, count), "emb": emb}
+    return {"nll": (nll, count), "emb": emb, "tasks": session.downstream.scores() if session.downstream else None}
 
 
 def compare(session: Session, scorers: list[str], sparsities: list[float], compensations: list[str],

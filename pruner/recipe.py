@@ -273,6 +273,8 @@ ALIASES = {
     "compensation": "surgery.compensation", "mode": "surgery.mode",
     "sinks": "sinks.mode", "dtype": "model.dtype", "device": "model.device", "device_map": "model.device_map",
     "threads": "threads", "seed": "seed",
+    "tasks": "evaluation.tasks", "task_paths": "evaluation.task_paths", "task_limit": "evaluation.task_limit",
+    "num_fewshot": "evaluation.num_fewshot",
 }
 
 

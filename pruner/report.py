@@ -189,13 +189,6 @@ def result_table(metrics: dict, params_after: int | None = None) -> str:
     ] + ([["embedding fidelity (cosine)", e["fidelity"]]] if "fidelity" in e else []))
 
 
-def task_result_table(tasks: dict) -> str:
-    """One pruning run's downstream accuracy: per task and metric, base -> pruned, change [95% CI]."""
-    return markdown_table(["task", "metric", "documents", "base", "pruned", "change [95% CI]"], [
-        [t, m, d["docs"], f"{d['base']:.3f}", f"{d['pruned']:.3f}",
-         f"{d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"] for t, ms in tasks.items() for m, d in ms.items()])
-
-
 def sensitivity_text(metrics: dict) -> str | None:
     """How many selected heads the other attention convention would change (None if not measured)."""
     sens = metrics.get("convention_sensitivity")
@@ -227,6 +220,8 @@ def convention_phrase(metrics: dict) -> str:
 
 def run_report(metrics: dict, plan_json: str) -> str:
     """A short report.md for one pruning run."""
+    from pruner.tasks import accuracy_table
+
     lines = [f"# pruner: {metrics['model']}", "",
              f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
              f"`{metrics['scorer']}`" + (f" ({convention_phrase(metrics)})" if metrics["convention"] else "")
@@ -234,7 +229,7 @@ def run_report(metrics: dict, plan_json: str) -> str:
              result_table(metrics), ""]
     if metrics["evaluation"].get("tasks"):
         lines += ["## Downstream tasks (same documents; bootstrap CI over documents)", "",
-                  task_result_table(metrics["evaluation"]["tasks"]), ""]
+                  accuracy_table(metrics["evaluation"]["tasks"]), ""]
     sens = sensitivity_text(metrics)
     if sens:
         lines += [sens, ""]

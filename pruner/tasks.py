@@ -315,7 +315,7 @@ class Harness:
 
 # ---------------------------------------------------------------- encoders: an embedding task (no harness)
 
-EMBEDDING_TASKS = ("shakespeare_scene",)
+EMBEDDING_TASKS = ("shakespeare_speech",)
 
 
 @dataclass(frozen=True)
@@ -420,3 +420,16 @@ def accuracy_ci(scores: dict[str, TaskScores], n_boot: int = 1000, seed: int = 0
             out.setdefault(name, {})[m] = {"value": x.mean().item(), "ci_low": lo.item(), "ci_high": hi.item(),
                                            "docs": len(s.doc_ids)}
     return out
+
+
+def accuracy_table(results: dict[str, dict[str, dict]]) -> str:
+    """Markdown for `accuracy_ci` (one model) or `Downstream.paired` (base vs pruned) results."""
+    from pruner.report import markdown_table
+
+    rows = [(t, m, d) for t, ms in results.items() for m, d in ms.items()]
+    if rows and "delta" in rows[0][2]:
+        return markdown_table(["task", "metric", "documents", "base", "this model", "change [95% CI]"], [
+            [t, m, d["docs"], f"{d['base']:.3f}", f"{d['pruned']:.3f}",
+             f"{d['delta']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]"] for t, m, d in rows])
+    return markdown_table(["task", "metric", "documents", "accuracy [95% CI]"], [
+        [t, m, d["docs"], f"{d['value']:.3f} [{d['ci_low']:.3f}, {d['ci_high']:.3f}]"] for t, m, d in rows])

@@ -162,7 +162,32 @@ CASES = [
      r"--threshold takes METRIC=NUMBER, e.g. cosine=0.5; got 'cosine=high'"),
     ("read-only output folder", lambda e: _recipe(e) + ["--out", Path((e / "ro_path").read_text()) / "run"], 2,
      r"cannot write the output folder .*run: (Permission denied|permission denied|Operation not permitted)"),
+    ("tasks without lm-evaluation-harness installed", lambda e: _recipe(e, "evaluation.tasks=[shakespeare_cloze]"),
+     2, r'evaluation.tasks needs lm-evaluation-harness, which is not installed: pip install "\.\[tasks\]"'),
+    ("unknown task name", lambda e: _recipe(e, "evaluation.tasks=[shakespeare_clozee]"), 2,
+     r"unknown task 'shakespeare_clozee' \(did you mean 'shakespeare_cloze'.*\); the shipped offline suite"),
+    ("task whose dataset needs the network", lambda e: _recipe(e, "evaluation.tasks=[piqa]"), 2,
+     r"task 'piqa' needs its dataset from the network, which could not be reached"),
+    ("evaluate: a harness task on an encoder", lambda e: ["evaluate", "minilm", "--tasks", "shakespeare_cloze"], 2,
+     r"tasks \['shakespeare_cloze'\] are scored by lm-evaluation-harness, which needs a causal LM"),
 ]
+
+
+@contextlib.contextmanager
+def _without_harness():
+    """As if the tasks extra were not installed: `import lm_eval` fails."""
+    saved = sys.modules.get("lm_eval")
+    sys.modules["lm_eval"] = None
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sys.modules["lm_eval"]
+        else:
+            sys.modules["lm_eval"] = saved
+
+
+SETUP = {"tasks without lm-evaluation-harness installed": _without_harness}  # case name -> context to run it in
 
 
 def case_args(argv, env: Path, out: Path) -> list[str]:
@@ -173,7 +198,8 @@ def case_args(argv, env: Path, out: Path) -> list[str]:
 @pytest.mark.parametrize("name,argv,status,message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(env, tmp_path, capsys, name, argv, status, message):
     out = tmp_path / "out"
-    rc = main(case_args(argv, env, out))
+    with SETUP.get(name, contextlib.nullcontext)():
+        rc = main(case_args(argv, env, out))
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("pruner: ")]
     assert rc == status, err

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("lm_eval", reason="the tasks extra (pip install '.[tasks]') is part of the test extra")
 
-from pruner import arch, evaluate, models, surgery, tasks  # noqa: E402
+from pruner import arch, models, perplexity, surgery, tasks  # noqa: E402
 from tiny import tiny_model  # noqa: E402
 
 TASK_YAML = """\
@@ -68,7 +68,7 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-    nll, count = evaluate.window_nll(model, evaluate.EvalWindows(ids, mask, lab), batch_size=3)
+    nll, count = perplexity.window_nll(model, perplexity.EvalWindows(ids, mask, lab), batch_size=3)
     assert count.tolist() == [len(enc(c)) for s in samples for _, c in s["arguments"]]
     assert torch.allclose(-nll, torch.tensor(harness_ll, dtype=torch.float64), atol=1e-4)
 
@@ -127,10 +127,10 @@ def test_paired_accuracy_bootstrap():
 
 @pytest.mark.unit
 def test_missing_extra_unknown_task_and_encoder_refusal_are_one_clear_error(monkeypatch, word_tokenizer):
-    with pytest.raises(tasks.TaskError, match=r"encoder: use the embedding task shakespeare_scene|needs a causal LM"):
+    with pytest.raises(tasks.TaskError, match=r"encoder: use the embedding task shakespeare_speech|needs a causal LM"):
         tasks.Downstream(tiny_model("bert"), word_tokenizer, tasks.TaskSpec(("shakespeare_cloze",)), causal=False)
-    with pytest.raises(tasks.TaskError, match=r"unknown embedding task 'scene'"):
-        tasks.load_embedding_task("scene")
+    with pytest.raises(tasks.TaskError, match=r"unknown embedding task 'speech'"):
+        tasks.load_embedding_task("speech")
     with pytest.raises(tasks.TaskError, match=r"no .yaml task files"):
         tasks.load_tasks(tasks.TaskSpec(("x",), (str(tasks.SUITE.parent / "models"),)))
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the extra were not installed
@@ -156,10 +156,10 @@ def test_recipe_task_keys():
 def test_embedding_task_is_the_cosine_of_pooled_embeddings():
     """all-MiniLM-L6-v2 (encoder): each document's verdict is cos(anchor, labelled) > cos(anchor, other)."""
     model, tok = models.load_model("minilm"), models.load_tokenizer("minilm")
-    ds = tasks.Downstream(model, tok, tasks.TaskSpec(("shakespeare_scene",), limit=16, batch_size=8), causal=False,
+    ds = tasks.Downstream(model, tok, tasks.TaskSpec(("shakespeare_speech",), limit=16, batch_size=8), causal=False,
                           n_boot=100)
     task, base = ds.embedding[0], ds.scores()
-    s = base["shakespeare_scene"]
+    s = base["shakespeare_speech"]
     assert len(s.doc_ids) == 16 and set(s.metrics["acc"].tolist()) <= {0.0, 1.0}
     with torch.no_grad():
         def embed(text):
@@ -172,6 +172,6 @@ def test_embedding_task_is_the_cosine_of_pooled_embeddings():
     g = arch.geometry(model)
     with surgery.masked(model, {layer: list(range(1, g.n_heads)) for layer in range(g.n_layers)}):
         masked = ds.scores()
-    d = ds.paired(base, masked)["shakespeare_scene"]["acc"]
+    d = ds.paired(base, masked)["shakespeare_speech"]["acc"]
     assert d["docs"] == 16 and d["delta"] == pytest.approx(d["pruned"] - d["base"])
-    assert not torch.equal(s.metrics["acc"], masked["shakespeare_scene"].metrics["acc"])
+    assert not torch.equal(s.metrics["acc"], masked["shakespeare_speech"].metrics["acc"])

@@ -52,6 +52,10 @@ def print_summary(m: dict, out, compensated: bool) -> None:
           f"95% CI [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}], {e['windows']} windows)")
     if "fidelity" in e:
         print(f"embedding fidelity (mean cosine to the unpruned model): {e['fidelity']:.4f}")
+    for task, metrics in e.get("tasks", {}).items():
+        for metric, d in metrics.items():
+            print(f"{task} {metric} {d['base']:.3f} -> {d['pruned']:.3f}  (change {d['delta']:+.3f}, "
+                  f"95% CI [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], {d['docs']} documents)")
     sens = m.get("convention_sensitivity")
     if sens and sens.get("of_this_plan"):
         print(f"convention sensitivity: {sens['changed']} of the {m['pruned_heads']} pruned heads change between "
