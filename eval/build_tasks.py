@@ -4,17 +4,30 @@
     python eval/build_tasks.py --split calibration --out runs/tasks-dev   # the development copy (design choices)
 
 Every task is a folder with `<task>.yaml` (lm-evaluation-harness task config) and
-`<task>.jsonl` (its documents). Design choices (context length, candidates,
-frequency bands) were made on the calibration split; the shipped files are built
-from the evaluation plays, which no shipped model was trained on.
+`<task>.jsonl` (its documents; 125 per play, in a seeded order, so any first N
+documents mix the four plays). Design choices were made on the calibration split
+with the shipped models; the shipped files are built from the evaluation plays,
+which no shipped model was trained on. Frequency bands come from the training plays.
 
-- `shakespeare_cloze` -- a word removed from a line of verse; choose it among
-  four words of the same frequency band (by counts on the training plays). The
-  context is the speech so far; each choice is scored with the rest of its line.
-- `shakespeare_speaker` -- who speaks next: the previous speeches of the scene
-  with their speaker headings, then the next heading among four speakers.
-- `shakespeare_scene` (encoders: pooled embeddings, not the harness) -- for a
-  line, which of two other lines comes from the same scene.
+- `shakespeare_cloze` -- a lower-case content word removed from a line; choose it
+  among four words of the same frequency band (floor(log2 count)). The context is
+  the speech so far (up to 40 words); each choice is scored with the rest of its line.
+- `shakespeare_recall` -- the next word, which the passage (40 words) already said
+  before its last 8 words, among four same-band words; the three others do not occur
+  in the passage. What a model takes from its context beyond local n-grams.
+- `shakespeare_order` -- a line as written vs the same line with two adjacent words
+  swapped, after the 30 words before it.
+- `shakespeare_speech` (encoders: pooled embeddings, not the harness) -- the first two
+  lines of a speech; which of two passages continues it: its next two lines, or two
+  lines of a speech from another play.
+
+Tried on the calibration split and dropped: "who speaks next" (the scene's last three
+speeches with their headings, four speakers to choose from) was at chance for
+minilm-causal (0.23) and gpt2-shakespeare (0.28; chance 0.25), though the speaker two
+turns back was the answer in 78% of documents; a fully word-shuffled line was too easy
+(0.98 for minilm-causal, unchanged when damaged); for the encoder, a line and another
+line of its scene were near chance (0.53 against another scene of the play, 0.60
+against another play).
 """
 
 from __future__ import annotations

@@ -175,3 +175,44 @@ def test_embedding_task_is_the_cosine_of_pooled_embeddings():
     d = ds.paired(base, masked)["shakespeare_speech"]["acc"]
     assert d["docs"] == 16 and d["delta"] == pytest.approx(d["pruned"] - d["base"])
     assert not torch.equal(s.metrics["acc"], masked["shakespeare_speech"].metrics["acc"])
+
+
+GPT2_QUICK = ["--set", "calibration.num_samples=4", "--set", "evaluation.num_samples=4", "--set",
+              "evaluation.bootstrap=50", "--set", "evaluation.latency=false", "--set", "selection.target=0.5",
+              "--set", "surgery.compensation=zero", "--set", "evaluation.tasks=[shakespeare_order]",
+              "--set", "evaluation.task_limit=12"]
+
+
+@pytest.mark.integration
+def test_prune_compare_and_evaluate_report_the_same_task_accuracy(tmp_path, capsys):
+    """prune (scoped mask) and evaluate (the run rebuilt from its folder) agree document for document;
+    compare writes the accuracy tables beside the perplexity table; evaluate MODEL gives the base."""
+    from pruner.cli import main
+
+    recipe = str(tasks.SUITE.parents[2] / "recipes" / "gpt2-shakespeare.yaml")
+    run = tmp_path / "run"
+    assert main(["prune", recipe, "--out", str(run), *GPT2_QUICK]) == 0
+    pruned = json.loads((run / "metrics.json").read_text())["evaluation"]["tasks"]["shakespeare_order"]
+    assert set(pruned) == {"acc", "acc_norm"} and pruned["acc"]["docs"] == 12
+    assert "shakespeare_order acc " in capsys.readouterr().out
+    assert "## Downstream tasks" in (run / "report.md").read_text()
+
+    assert main(["evaluate", str(run), "--out", str(tmp_path / "ev")]) == 0
+    again = json.loads((tmp_path / "ev" / "evaluation.json").read_text())["tasks"]["shakespeare_order"]
+    for metric in ("acc", "acc_norm"):
+        assert again[metric]["base"] == pruned[metric]["base"] and again[metric]["pruned"] == pruned[metric]["pruned"]
+
+    assert main(["evaluate", "gpt2-shakespeare", "--tasks", "shakespeare_order", "--task-limit", "12",
+                 "--set", "evaluation.num_samples=4", "--out", str(tmp_path / "base")]) == 0
+    alone = json.loads((tmp_path / "base" / "evaluation.json").read_text())["tasks"]["shakespeare_order"]["acc"]
+    assert alone["value"] == pruned["acc"]["base"] and alone["ci_low"] <= alone["value"] <= alone["ci_high"]
+
+    out = tmp_path / "cmp"
+    assert main(["compare", recipe, "--out", str(out), "--scorers", "sink-aware,random", "--sparsities", "0.5",
+                 "--compensation", "zero", *GPT2_QUICK]) == 0
+    records = json.loads((out / "compare.json").read_text())
+    assert [r["tasks"]["shakespeare_order"]["acc"]["base"] for r in records] == [pruned["acc"]["base"]] * 2
+    assert records[0]["tasks"]["shakespeare_order"]["acc"]["pruned"] == pruned["acc"]["pruned"]  # same plan as prune
+    md = (out / "compare.md").read_text()
+    assert "shakespeare_order acc: base" in md and "shakespeare_order acc_norm: base" in md
+    assert "shakespeare_order/acc/delta" in (out / "compare.csv").read_text().splitlines()[0]
