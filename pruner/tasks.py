@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -122,14 +123,19 @@ def harness_lm(model, tokenizer, bos: bool = True, batch_size: int = 8, progress
 
 @contextlib.contextmanager
 def _quiet():
-    """The harness logs every step at WARNING/INFO; pruner prints its own summary."""
-    log = logging.getLogger("lm_eval")
+    """The harness logs every step at WARNING/INFO and draws a bar per task while it builds requests (with
+    no switch for either); pruner prints its own progress and summary."""
+    import lm_eval.api.task as task_module
+
+    log, bar = logging.getLogger("lm_eval"), task_module.tqdm
     level = log.level
     log.setLevel(logging.ERROR)
+    task_module.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
         log.setLevel(level)
+        task_module.tqdm = bar
 
 
 # ---------------------------------------------------------------- loading tasks
