@@ -70,6 +70,13 @@ def study(name: str, limit: int | None, seeds: int, batch_size: int) -> list[dic
     return rows
 
 
+def table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["model", "task", "metric", "documents", "chance", "base", "damaged", "change [95% CI]"],
+        [[r["model"], r["task"], r["metric"], r["docs"], f"{r['chance']:.2f}", f"{r['base']:.3f}", f"{r['pruned']:.3f}",
+          f"{r['delta']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"] for r in rows])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="minilm-causal,gpt2-shakespeare,llama-shakespeare,minilm")
@@ -79,13 +86,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "task_suite.json"))
     args = ap.parse_args()
     load = os.getloadavg()
-    rows = [r for name in args.models.split(",") for r in study(name, args.limit, args.seeds, args.batch_size)]
+    rows = []
+    for name in args.models.split(","):
+        rows += study(name, args.limit, args.seeds, args.batch_size)
+        print(f"{name} done ({os.getloadavg()[0]:.1f} load)", flush=True)
     print(f"load average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end; damaged = random half of the "
           f"heads, zero-ablated, mean over {args.seeds} draws\n")
-    print(markdown_table(
-        ["model", "task", "metric", "documents", "chance", "base", "damaged", "change [95% CI]"],
-        [[r["model"], r["task"], r["metric"], r["docs"], f"{r['chance']:.2f}", f"{r['base']:.3f}", f"{r['pruned']:.3f}",
-          f"{r['delta']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"] for r in rows]))
+    print(table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"load_average": load, "seeds": args.seeds, "limit": args.limit,
                                           "rows": rows}, indent=1) + "\n")

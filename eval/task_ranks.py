@@ -1,0 +1,49 @@
+"""Do accuracy and perplexity rank the scorers the same way? Read a compare.json written with evaluation.tasks.
+
+    python eval/task_ranks.py runs/quickstart-compare/compare.json [--metric acc]
+
+For every compensation x sparsity: the Spearman correlation across scorers between the
+perplexity change and each task's accuracy change (sign flipped, so 1 = the same order),
+the same for the mean accuracy change over tasks, and the best scorer by each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pruner.report import markdown_table  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("compare_json")
+    ap.add_argument("--metric", default="acc")
+    args = ap.parse_args()
+    records = [r for r in json.loads(Path(args.compare_json).read_text()) if "error" not in r and r.get("tasks")]
+    task_names = list(dict.fromkeys(t for r in records for t in r["tasks"]))
+    rows = []
+    for comp in dict.fromkeys(r["compensation"] for r in records):
+        for sparsity in sorted({r["sparsity"] for r in records}):
+            cell = [r for r in records if r["compensation"] == comp and r["sparsity"] == sparsity]
+            ppl = [r["delta"] for r in cell]
+            acc = {t: [r["tasks"][t][args.metric]["delta"] for r in cell] for t in task_names}
+            mean_acc = [sum(acc[t][i] for t in task_names) / len(task_names) for i in range(len(cell))]
+            rho = lambda a: spearmanr([-x for x in ppl], a).statistic  # noqa: E731
+            best_ppl = min(cell, key=lambda r: r["delta"])["scorer"]
+            best_acc = cell[max(range(len(cell)), key=lambda i: mean_acc[i])]["scorer"]
+            rows.append([comp, f"{sparsity:g}", len(cell)] + [f"{rho(acc[t]):+.2f}" for t in task_names]
+                        + [f"{rho(mean_acc):+.2f}", best_ppl, best_acc])
+    print(f"Spearman rho across scorers: perplexity change vs {args.metric} change (1 = same order)\n")
+    print(markdown_table(["compensation", "sparsity", "scorers", *task_names, "mean over tasks",
+                          "best by perplexity", f"best by mean {args.metric}"], rows))
+
+
+if __name__ == "__main__":
+    main()
