@@ -22,6 +22,7 @@ Definitions (DESIGN section 5):
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -96,22 +97,87 @@ class OutputMoments:
         return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
-def output_moments(a: Tensor, v: Tensor, sink: Tensor, rows: Tensor) -> OutputMoments:
-    """Moments of head outputs for one chunk.
+def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> OutputMoments:
+    """Moments of one layer's head outputs over the counted rows of a batch.
 
-    a, sink: (B, H, c, K); v: (B, H, K, d_head); rows: (B, c) rows to count.
+    o: (B, T, H, d_head) what the output projection receives (any float dtype);
+    u: (B, T, H, d_head) float32, its sink channel; rows: (B, T) rows to count.
+    The products run in float32 on values centred on their batch mean and are
+    uncentred in float64: the sink channel writes nearly the same vector on every
+    row, so raw second moments are dominated by mean x mean^T and a float32 product
+    of raw values would lose the fluctuation that scoring and refit read. `joint`
+    costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
+    computed on the upper block triangle only (`_gram_blocks`); with `bf16` (a bfloat16 model on the
+    CPU) its products run in bfloat16 with float32 accumulation, rounding the
+    centred values by 2^-9, below the rounding the model applied to o itself.
     """
-    v = v.to(a.dtype)
-    a_sink = a * sink
-    u = (a_sink @ v).double()  # (B, H, c, d_head)
-    w = ((a - a_sink) @ v).double()
-    o = u + w
-    r = rows.double()[:, None, :, None]  # (B, 1, c, 1)
-    first = lambda x: (x * r).sum(dim=(0, 2))  # noqa: E731  (H, d_head)
-    second = lambda x: torch.einsum("bhqd,bhqe->hde", x * r, x)  # noqa: E731  (H, d_head, d_head)
-    x = (o * r).permute(0, 2, 1, 3).reshape(-1, o.shape[1] * o.shape[3])  # (B * c, H * d_head)
-    joint = x.t() @ x  # rows are weighted 0/1, so x^T x = sum over counted rows
-    return OutputMoments(r.sum(), first(o), first(u), first(w), second(o), second(u), second(w), joint)
+    B, T, H, D = o.shape
+    keep = rows.reshape(-1).bool()
+    x = o.reshape(B * T, H * D)[keep].float()  # (N, H * d_head), a copy: centred in place
+    uc = u.reshape(B * T, H, D)[keep]  # (N, H, d_head)
+    n = torch.tensor(float(x.shape[0]), dtype=torch.float64)
+    o_sum, u_sum = x.sum(0, dtype=torch.float64), uc.sum(0, dtype=torch.float64)  # float64: no dependence on
+    ref_o, ref_u = (o_sum / n).float(), (u_sum / n).float()  # the thread count; any reference is exact
+    x -= ref_o
+    uc -= ref_u
+    wc = x.view(-1, H, D) - uc  # (N, H, d_head): w = o - u, centred on ref_o - ref_u
+    ref_w = ref_o.view(H, D) - ref_u
+    with matmul_precision(bf16):
+        joint_c = _gram_blocks(x, H)
+    per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
+    w_sum = o_sum.view(H, D) - u_sum
+
+    def uncentre(c: Tensor, total: Tensor, ref: Tensor) -> Tensor:
+        """sum x x^T from the centred sum: with s = sum (x - r), sum xc xc^T + r s^T + s r^T + n r r^T."""
+        r = ref.double()
+        s = total - n * r
+        outer = lambda p, q: p.unsqueeze(-1) * q.unsqueeze(-2)  # noqa: E731
+        return c.double() + outer(r, s) + outer(s, r) + n * outer(r, r)
+
+    joint = uncentre(joint_c, o_sum, ref_o)  # (H * d_head, H * d_head)
+    oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+    return OutputMoments(n, o_sum.view(H, D), u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u),
+                         uncentre(per_head(wc), w_sum, ref_w), joint)
+
+
+def _gram_blocks(x: Tensor, heads: int, rows: int = 256) -> Tensor:
+    """x^T x for x (N, F), float32: the upper block triangle only (F split into <= 4 blocks at head
+    boundaries: 10/16 of the multiply-adds), mirrored.
+
+    Summed over blocks of `rows` rows in order: BLAS libraries split a long inner
+    dimension across threads (MKL here: from 1024 rows for a 64-column block), which
+    would make the result, and the plans scored from it, depend on the thread count.
+    """
+    F = x.shape[1]
+    nb = min(4, heads)
+    edges = [F * (heads * i // nb) // heads for i in range(nb + 1)]
+    out = x.new_zeros(F, F)
+    for r0 in range(0, x.shape[0], rows):
+        xr = x[r0:r0 + rows]
+        for a, b in zip(edges[:-1], edges[1:]):
+            out[a:b, a:].addmm_(xr[:, a:b].t(), xr[:, a:])
+    for a, b in zip(edges[:-1], edges[1:]):
+        out[b:, a:b] = out[a:b, b:].t()
+    return out
+
+
+@contextmanager
+def matmul_precision(bf16: bool):
+    """float32 matrix products computed in bfloat16 with float32 accumulation (CPU, oneDNN), inside.
+
+    Exact for products of bfloat16 values (q k^T of a bfloat16 model: every product of
+    two 8-bit mantissas fits float32), and several times faster than IEEE float32 on
+    CPUs with AMX/avx512_bf16. Only products of the model's own values use it.
+    """
+    if not bf16:
+        yield
+        return
+    prev = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = prev
 
 
 def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
@@ -120,14 +186,14 @@ def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
 
 
 def _cosine_pairs(p: Tensor) -> Tensor:
-    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row.
+    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
+    return _cosine_from_gram(torch.einsum("bhqk,bgqk->bqhg", p, p))
 
-    One Gram matrix per row, normalised by its diagonal (no normalised copy of p).
-    """
-    p = p.transpose(1, 2)  # (B, c, H, K)
-    gram = p @ p.transpose(-1, -2)  # (B, c, H, H)
+
+def _cosine_from_gram(gram: Tensor) -> Tensor:
+    """Per-row Gram matrices (B, c, H, H) of heads' rows -> their cosines, normalised by the diagonal."""
     norm = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (B, c, H)
-    return gram / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(p.dtype).tiny)
+    return gram / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(gram.dtype).tiny)
 
 
 def _symmetric(row, B: int, c: int, H: int, like: Tensor) -> Tensor:
@@ -218,65 +284,220 @@ def _pairs(p: Tensor, parts: Tensor, z: Tensor, metrics: tuple[str, ...],
     return out
 
 
-def _channel_sums(x: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row sums of x (B, H, c, K) over the sink keys and over all other keys: (B, H, c) each.
+@dataclass(frozen=True)
+class SinkCols:
+    """The sink keys of each sequence as gather indices: sinks are few, so gathering their
+    columns replaces passes over every key.
 
-    One batched matrix-vector product against [sink, not sink] (B, K, 2) instead of
-    two masked copies of x.
+    mask: (B, K) bool sink keys; idx: (B, S) key positions, S the most sinks of any
+    sequence; real: (B, S) 1.0 for a sink, 0.0 for padding. Padding repeats the row's
+    first sink (key 0 in a row without sinks), so writing zeros at `idx` touches sinks only.
     """
-    B, H, c, K = x.shape
-    sel = torch.stack([sink, ~sink], dim=-1).to(x.dtype)  # (B, K, 2)
-    out = torch.bmm(x.reshape(B, H * c, K), sel).view(B, H, c, 2)
-    return out[..., 0], out[..., 1]
+
+    mask: Tensor
+    idx: Tensor
+    real: Tensor
+
+    @property
+    def none(self) -> Tensor:
+        """(B,) rows without any sink."""
+        return self.real[:, 0] == 0
+
+
+def sink_cols(sink: Tensor) -> SinkCols:
+    """`SinkCols` of a (B, K) bool sink mask."""
+    S = max(int(sink.sum(-1).max()), 1) if sink.numel() else 1
+    order = torch.sort(sink.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :S]  # sinks first
+    real = torch.gather(sink, 1, order)
+    idx = torch.where(real, order, order[:, :1])
+    return SinkCols(sink, idx, real.float())
+
+
+@dataclass(frozen=True)
+class AttentionChunk:
+    """One chunk of query rows of one layer, as `attend` reads it.
+
+    q: (B, H, c, d_head); k, v: (B, H_kv, K, d_head), float32 (H = H_kv x group, heads
+    kv-major, as `repeat_kv` orders them); valid: (B, 1, c, K) bool; sinks: of the K
+    keys; rows: (B, c) head-level rows; scale: the score scaling.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    valid: Tensor
+    sinks: SinkCols
+    rows: Tensor
+    scale: float
+
+
+class Workspace:
+    """Reusable buffers for a chunk's scores and weights, the largest tensors capture makes
+    (B x H x c x K): allocated afresh for every chunk of every layer, large ones are mapped and
+    zeroed by the kernel each time."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A contiguous (uninitialised) tensor of `shape` with `like`'s dtype and device."""
+        n = math.prod(shape)
+        key = (name, like.dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+
+def attend(chunk: AttentionChunk, metrics: tuple[str, ...] = (), dormant_threshold: float = 0.9,
+           work: Workspace | None = None, bf16: bool = False) -> tuple[Tensor, Tensor, LayerStats]:
+    """Attention output and statistics of one chunk from one softmax.
+
+    Returns the output (B, H, c, d_head) float32, its sink channel u = sum_{j in S} a_j v_j
+    (B, H, c, d_head), and the chunk's `LayerStats` (without output moments: those are
+    per layer, `output_moments`). The scores are computed once, in float32, with GQA
+    handled by grouping the queries of each KV head (no repeated keys). `bf16`: the
+    inputs hold bfloat16 values, so q k^T and a v may run on bfloat16 units
+    (`matmul_precision`): q k^T stays exact; a is rounded to bfloat16 for a v, as
+    bfloat16 attention does.
+    """
+    q, k, v = chunk.q, chunk.k, chunk.v
+    B, H, c, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    G = H // Hkv
+    work = work or Workspace()
+    z = scores(q, k, chunk.scale, work.get("scores", (B, H, c, K), q), bf16)
+    _mask_scores(z, chunk.valid)
+    a = work.get("weights", (B, H, c, K), q)
+    torch.ops.aten._softmax.out(z, -1, False, out=a)
+    with matmul_precision(bf16):
+        o = torch.bmm(a.view(B * Hkv, G * c, K), v.reshape(B * Hkv, K, D)).view(B, H, c, D)
+    a_s = _gather_sinks(a, chunk.sinks)  # (B, H, c, S)
+    S = a_s.shape[-1]
+    v_s = v.gather(2, chunk.sinks.idx[:, None, :, None].expand(B, Hkv, S, D))  # (B, H_kv, S, d_head)
+    u = torch.bmm((a_s * chunk.sinks.real[:, None, None, :]).view(B * Hkv, G * c, S),
+                  v_s.view(B * Hkv, S, D)).view(B, H, c, D)
+    stats = _row_stats(z, a, a_s, chunk.sinks, chunk.valid, chunk.rows, metrics, dormant_threshold)
+    return o, u, stats
+
+
+def scores(q: Tensor, k: Tensor, scale: float, out: Tensor | None = None, bf16: bool = False) -> Tensor:
+    """Pre-softmax scores q k^T x scale: (B, H, c, K) for q (B, H, c, d_head), k (B, H_kv, K, d_head).
+
+    GQA without repeating the keys: the queries of each KV head are stacked into one
+    matrix product. `out`: a (B, H, c, K) contiguous tensor to write into.
+    """
+    B, H, c, D = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    out = q.new_empty(B, H, c, K) if out is None else out
+    with matmul_precision(bf16):
+        torch.baddbmm(out.view(B * Hkv, H // Hkv * c, K), q.reshape(B * Hkv, H // Hkv * c, D),
+                      k.reshape(B * Hkv, K, D).transpose(1, 2), beta=0, alpha=scale, out=out.view(B * Hkv, -1, K))
+    return out
 
 
 def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: tuple[str, ...] = (),
-                dormant_threshold: float = 0.9, v: Tensor | None = None,
-                out_rows: Tensor | None = None) -> LayerStats:
-    """Statistics of one chunk of query rows of one layer, as sums.
+                dormant_threshold: float = 0.9) -> LayerStats:
+    """Statistics of one chunk of query rows from its scores, as sums.
 
-    z: (B, H, c, K) pre-softmax scores (any value at invalid keys);
-    sink: (B, K) sink keys; valid: (B, 1|H, c, K) keys each query may see;
-    rows: (B, c) query rows that count (non-pad, not a sink).
-    With values v: (B, H, K, d_head), also the output moments over `out_rows`
-    (B, c): every non-pad query, sinks included, since all of them are written.
-
-    This runs on every chunk of every layer, so it makes few passes over the
-    (B, H, c, K) rows: softmax, one xlogy, and two matrix-vector products that
-    split a and a log a into their sink and content sums. The entropy grouping
-    terms then follow per row (DESIGN section 4) without forming the compositions:
-    with T_S = sum_S a log a and T_C = sum_C a log a,
-    s H(c_S) = s log s - T_S,  (1 - s) H(c) = (1 - s) log(1 - s) - T_C,  H(a) = -(T_S + T_C).
-    Invalid keys are filled with the most negative finite score, not -inf: their
-    weight is exactly 0, and a row with no visible key (padding, never counted)
-    comes out uniform and finite, so no NaN needs cleaning.
+    z: (B, H, c, K) pre-softmax scores (any value at invalid keys; -inf where a weight
+    underflowed, as log of eager maps gives); sink: (B, K) sink keys; valid: (B, 1|H, c, K)
+    keys each query may see; rows: (B, c) query rows that count (non-pad, not a sink).
+    The model-wide capture (scores of every layer stacked on the head axis) and the eager
+    reference use this; a model's own layers go through `attend`, which shares the
+    statistics (`_row_stats`).
     """
-    z = z if z.dtype in (torch.float32, torch.float64) else z.float()  # per-row work; sums in float64
-    a = torch.softmax(z.masked_fill(~valid, torch.finfo(z.dtype).min), dim=-1)  # (B, H, c, K)
-    s, rest = _channel_sums(a, sink)  # (B, H, c): sink mass, content mass (summed from its parts)
-    t_sink, t_content = _channel_sums(torch.xlogy(a, a), sink)
+    z = z if z.dtype in (torch.float32, torch.float64) else z.float()
+    z = z.masked_fill(~valid, _masked(z.dtype)).clamp_min(_masked(z.dtype))
+    a = torch.softmax(z, dim=-1)  # (B, H, c, K)
+    sinks = sink_cols(sink)
+    return _row_stats(z, a, _gather_sinks(a, sinks), sinks, valid, rows, metrics, dormant_threshold)
+
+
+def _masked(dtype) -> float:
+    """The score of an invalid key: half the most negative finite value.
+
+    Not -inf: an invalid key's weight is then exactly 0, and a row with no visible key
+    (padding, never counted) comes out uniform and finite, so no NaN needs cleaning;
+    half, so that sum_j a_j z_j over such a row (weights summing to 1) cannot round
+    past the finite range.
+    """
+    return torch.finfo(dtype).min / 2
+
+
+def _mask_scores(z: Tensor, valid: Tensor) -> None:
+    """Set invalid keys to `_masked`, in place, only from the first key column that any row
+    masks (a causal chunk without padding masks its last c columns only)."""
+    bad = ~valid  # (B, 1, c, K)
+    cols = bad.flatten(0, -2).any(0)  # (K,)
+    if bool(cols.any()):
+        j0 = int(cols.to(torch.uint8).argmax())
+        z[..., j0:].masked_fill_(bad[..., j0:], _masked(z.dtype))
+
+
+def _gather_sinks(a: Tensor, sinks: SinkCols) -> Tensor:
+    """a (B, H, c, K) at the sink columns: (B, H, c, S) (padding columns repeat a sink)."""
+    B, H, c, _ = a.shape
+    return a.gather(-1, sinks.idx[:, None, None, :].expand(B, H, c, -1))
+
+
+def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor, rows: Tensor,
+               metrics: tuple[str, ...], dormant_threshold: float) -> LayerStats:
+    """Sums over the counted rows of one chunk. Overwrites `a` (its sink columns are zeroed).
+
+    z, a: (B, H, c, K) scores (invalid keys at `_masked`) and their
+    softmax; a_s: (B, H, c, S) a at the sink columns. This runs on every chunk of every
+    layer, so it makes few passes over the (B, H, c, K) rows and evaluates no logarithm
+    on them. With L = log sum_j exp z_j (from the row maxima of z and of a: a_max = e^(z_max - L)),
+    log a_j = z_j - L, so the content term of the entropy is
+    T_C = sum_{j in C} a_j log a_j = sum_{j in C} a_j z_j - L (1 - s),
+    one dot product per row once the sink columns of a are zeroed; its sink counterpart
+    T_S = sum_{j in S} a_j log a_j runs over the gathered sink columns. The entropy
+    grouping terms then follow per row (DESIGN section 4) without forming the
+    compositions: s H(c_S) = s log s - T_S, (1 - s) H(c) = (1 - s) log(1 - s) - T_C,
+    H(a) = -(T_S + T_C). The content mass 1 - s is summed from the content parts, so it
+    stays exact when s rounds to 1. Cosine is scale-invariant, so the content rows'
+    cosines come from the Gram matrix of the zeroed rows directly and the full rows'
+    from it plus the sink columns' part: one Gram pass for both conventions.
+    """
+    real = sinks.real[:, None, None, :]  # (B, 1, 1, S)
+    lse = z.amax(-1) - torch.log(a.amax(-1))  # (B, H, c)
+    s = (a_s * real).sum(-1)  # (B, H, c) sink mass
+    t_sink = (torch.xlogy(a_s, a_s) * real).sum(-1)
+    content_keys = valid & ~sinks.mask[:, None, None, :]  # (B, 1|H, c, K)
+    extra = tuple(m for m in metrics if m != "cosine")
+    pairs = {}
+    w = rows.to(torch.float64)  # (B, c)
+    wc = w * (content_keys.sum(-1)[:, 0] >= 2)
+    if extra:  # the full rows, before their sink columns are zeroed
+        for name, m in _pairs(a, valid, z, extra).items():
+            pairs[f"{name}/{cp.FULL}"] = _pair_sum(torch.nan_to_num(m).double(), w)
+    keep = (sinks.none[:, None, None, None] * a_s).to(a.dtype)  # rows without sinks keep their column
+    a.scatter_(-1, sinks.idx[:, None, None, :].expand_as(a_s), keep)  # a -> content part (zero on S)
+    rest = a.sum(-1)  # (B, H, c) content mass 1 - s
+    t_content = torch.einsum("bhqk,bhqk->bhq", a, z) - lse * rest
     xr = torch.xlogy(rest, rest)
     h_full = -(t_sink + t_content)
     content = xr - t_content  # (1 - s) H(c)
     h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=a.dtype))
-    n_content = (valid & ~sink[:, None, None, :]).sum(-1)  # (B, 1|H, c), same for every head
-    w = rows.to(torch.float64)  # (B, c)
-    wc = w * (n_content[:, 0] >= 2)
+    if "cosine" in metrics:
+        gram_c = torch.einsum("bhqk,bgqk->bqhg", a, a)  # (B, c, H, H) content parts
+        a_sr = a_s * real
+        gram = gram_c + torch.einsum("bhqs,bgqs->bqhg", a_sr, a_sr)
+        pairs[f"cosine/{cp.FULL}"] = _pair_sum(_cosine_from_gram(gram).double(), w)
+        pairs[f"cosine/{cp.CONTENT}"] = _pair_sum(_cosine_from_gram(gram_c).double(), wc)
+    if extra:  # the content compositions c = a_C / (1 - s)
+        a.div_(rest.clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(-1))
+        for name, m in _pairs(a, content_keys, z, extra, h_content).items():
+            pairs[f"{name}/{cp.CONTENT}"] = _pair_sum(torch.nan_to_num(m).double(), wc)
     per_head = lambda x, wt: torch.einsum("bhq,bq->h", x.double(), wt)  # noqa: E731
-    pairs = {}
-    if metrics:
-        content_keys = valid & ~sink[:, None, None, :]
-        c = a * (~sink)[:, None, None, :] / rest.unsqueeze(-1).clamp_min(torch.finfo(a.dtype).tiny)
-        for conv, p, parts, h, wt in ((cp.FULL, a, valid, h_full, w), (cp.CONTENT, c, content_keys, None, wc)):
-            for name, m in _pairs(p, parts, z, metrics, h).items():
-                pairs[f"{name}/{conv}"] = _pair_sum(torch.nan_to_num(m).double(), wt)
+    order = [f"{m}/{conv}" for conv in (cp.FULL, cp.CONTENT) for m in metrics]
     return LayerStats(
         rows=w.sum(), content_rows=wc.sum(),
         sink_mass=per_head(s, w), entropy_full=per_head(h_full, w),
         entropy_content=per_head(h_content, wc),
         g=per_head(-xr - t_sink, w), rest=per_head(rest, w), rest_h_content=per_head(content, w),
-        dormant=per_head((s >= dormant_threshold).to(torch.float64), w), pairs=pairs,
-        outputs=None if v is None else output_moments(a, v, sink[:, None, None, :], out_rows))
+        dormant=per_head((s >= dormant_threshold).to(torch.float64), w), pairs={k: pairs[k] for k in order})
 
 
 @dataclass(frozen=True)
