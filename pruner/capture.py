@@ -188,7 +188,7 @@ class Capture:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = _Batch(mask2d, sink, mask2d.bool() & ~sink)
             try:
-                forward(self.model.base_model, ids, mask2d)
+                forward(self.model.base_model, ids, mask2d, use_cache=False)  # no logits, no KV cache
                 if self._kept:
                     self._fold_across_layers()
                 residual = self._batch.residual

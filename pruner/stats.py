@@ -107,45 +107,57 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> Ou
     row, so raw second moments are dominated by mean x mean^T and a float32 product
     of raw values would lose the fluctuation that scoring and refit read. `joint`
     costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
-    computed on the upper block triangle only (`_gram_blocks`); with `bf16` (a bfloat16 model on the
+    computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model on the
     CPU) its products run in bfloat16 with float32 accumulation, rounding the
     centred values by 2^-9, below the rounding the model applied to o itself.
     """
     B, T, H, D = o.shape
-    keep = rows.reshape(-1).bool()
-    x = o.reshape(B * T, H * D)[keep].float()  # (N, H * d_head), a copy: centred in place
-    uc = u.reshape(B * T, H, D)[keep]  # (N, H, d_head)
-    n = torch.tensor(float(x.shape[0]), dtype=torch.float64)
-    o_sum, u_sum = x.sum(0, dtype=torch.float64), uc.sum(0, dtype=torch.float64)  # float64: no dependence on
-    ref_o, ref_u = (o_sum / n).float(), (u_sum / n).float()  # the thread count; any reference is exact
-    x -= ref_o
-    uc -= ref_u
-    wc = x.view(-1, H, D) - uc  # (N, H, d_head): w = o - u, centred on ref_o - ref_u
-    ref_w = ref_o.view(H, D) - ref_u
+    N = B * T
+    r = rows.reshape(N, 1).to(torch.float32)  # 0/1 row weights: pad rows are zeroed, not selected out
+    every = bool(r.all())
+    x = o.reshape(N, H * D)
+    uf = u.reshape(N, H * D)
+    n = r.sum(dtype=torch.float64)
+    # float64 sums (their rounding does not depend on the thread count); the means centre the products
+    o_sum, u_sum = ((y if every else y * r).sum(0, dtype=torch.float64) for y in (x, uf))
+    ref_o, ref_u = (o_sum / n).float(), (u_sum / n).float()
+    xc = x.float() - ref_o  # (N, H * d_head)
+    uc = uf - ref_u
+    if not every:
+        xc.mul_(r)
+        uc.mul_(r)
+    wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
+    uc = uc.view(N, H, D)
+    ref_w = (ref_o - ref_u).view(H, D)
     with matmul_precision(bf16):
-        joint_c = _gram_blocks(x, H)
+        joint_c = gram(xc, H)
     per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
-    w_sum = o_sum.view(H, D) - u_sum
+    o_sum, u_sum = o_sum.view(H, D), u_sum.view(H, D)
+    w_sum = o_sum - u_sum
 
     def uncentre(c: Tensor, total: Tensor, ref: Tensor) -> Tensor:
-        """sum x x^T from the centred sum: with s = sum (x - r), sum xc xc^T + r s^T + s r^T + n r r^T."""
+        """sum x x^T from the centred sum: with s = sum (x - r) and t = s + n r / 2,
+        sum xc xc^T + r s^T + s r^T + n r r^T = sum xc xc^T + r t^T + t r^T."""
         r = ref.double()
-        s = total - n * r
-        outer = lambda p, q: p.unsqueeze(-1) * q.unsqueeze(-2)  # noqa: E731
-        return c.double() + outer(r, s) + outer(s, r) + n * outer(r, r)
+        t = total - (n / 2) * r
+        out = c.double()
+        if out.dim() == 2:
+            return out.addr_(r, t).addr_(t, r)
+        return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
 
-    joint = uncentre(joint_c, o_sum, ref_o)  # (H * d_head, H * d_head)
+    joint = uncentre(joint_c, o_sum.view(-1), ref_o)  # (H * d_head, H * d_head)
     oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
-    return OutputMoments(n, o_sum.view(H, D), u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u),
+    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u.view(H, D)),
                          uncentre(per_head(wc), w_sum, ref_w), joint)
 
 
-def _gram_blocks(x: Tensor, heads: int, rows: int = 256) -> Tensor:
+def gram(x: Tensor, heads: int, rows: int = 512) -> Tensor:
     """x^T x for x (N, F), float32: the upper block triangle only (F split into <= 4 blocks at head
     boundaries: 10/16 of the multiply-adds), mirrored.
 
     Summed over blocks of `rows` rows in order: BLAS libraries split a long inner
-    dimension across threads (MKL here: from 1024 rows for a 64-column block), which
+    dimension across threads (MKL here: from 1024 rows for a 64-column block, never at
+    512 for 32 to 2048 columns), which
     would make the result, and the plans scored from it, depend on the thread count.
     """
     F = x.shape[1]
@@ -445,10 +457,10 @@ def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor
                metrics: tuple[str, ...], dormant_threshold: float) -> LayerStats:
     """Sums over the counted rows of one chunk. Overwrites `a` (its sink columns are zeroed).
 
-    z, a: (B, H, c, K) scores (invalid keys at `_masked`) and their
-    softmax; a_s: (B, H, c, S) a at the sink columns. This runs on every chunk of every
-    layer, so it makes few passes over the (B, H, c, K) rows and evaluates no logarithm
-    on them. With L = log sum_j exp z_j (from the row maxima of z and of a: a_max = e^(z_max - L)),
+    z, a: (B, H, c, K) scores (invalid keys at `_masked`) and their softmax; a_s:
+    (B, H, c, S) a at the sink columns. This runs on every chunk of every layer, so it
+    makes few passes over the (B, H, c, K) rows, evaluates no logarithm on them, and
+    few operations overall. With L = log sum_j exp z_j (`_log_normaliser`),
     log a_j = z_j - L, so the content term of the entropy is
     T_C = sum_{j in C} a_j log a_j = sum_{j in C} a_j z_j - L (1 - s),
     one dot product per row once the sink columns of a are zeroed; its sink counterpart
@@ -460,15 +472,16 @@ def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor
     cosines come from the Gram matrix of the zeroed rows directly and the full rows'
     from it plus the sink columns' part: one Gram pass for both conventions.
     """
-    real = sinks.real[:, None, None, :]  # (B, 1, 1, S)
-    lse = z.amax(-1) - torch.log(a.amax(-1))  # (B, H, c)
-    s = (a_s * real).sum(-1)  # (B, H, c) sink mass
-    t_sink = (torch.xlogy(a_s, a_s) * real).sum(-1)
-    content_keys = valid & ~sinks.mask[:, None, None, :]  # (B, 1|H, c, K)
+    a_sr = a_s * sinks.real[:, None, None, :]  # (B, H, c, S) sink weights, padding columns zeroed
+    s = a_sr.sum(-1)  # (B, H, c) sink mass
+    t_sink = torch.xlogy(a_sr, a_sr).sum(-1)
+    lse = _log_normaliser(z, a, a_s, sinks, rows)
+    sink_keys = valid.gather(-1, sinks.idx[:, None, None, :].expand(-1, valid.shape[1], valid.shape[2], -1))
+    n_content = valid.sum(-1) - (sink_keys * sinks.real[:, None, None, :]).sum(-1)  # (B, 1|H, c)
+    w = rows.to(torch.float64)  # (B, c)
+    wc = w * (n_content[:, 0] >= 2)
     extra = tuple(m for m in metrics if m != "cosine")
     pairs = {}
-    w = rows.to(torch.float64)  # (B, c)
-    wc = w * (content_keys.sum(-1)[:, 0] >= 2)
     if extra:  # the full rows, before their sink columns are zeroed
         for name, m in _pairs(a, valid, z, extra).items():
             pairs[f"{name}/{cp.FULL}"] = _pair_sum(torch.nan_to_num(m).double(), w)
@@ -477,27 +490,43 @@ def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor
     rest = a.sum(-1)  # (B, H, c) content mass 1 - s
     t_content = torch.einsum("bhqk,bhqk->bhq", a, z) - lse * rest
     xr = torch.xlogy(rest, rest)
-    h_full = -(t_sink + t_content)
     content = xr - t_content  # (1 - s) H(c)
-    h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=a.dtype))
     if "cosine" in metrics:
         gram_c = torch.einsum("bhqk,bgqk->bqhg", a, a)  # (B, c, H, H) content parts
-        a_sr = a_s * real
-        gram = gram_c + torch.einsum("bhqs,bgqs->bqhg", a_sr, a_sr)
-        pairs[f"cosine/{cp.FULL}"] = _pair_sum(_cosine_from_gram(gram).double(), w)
-        pairs[f"cosine/{cp.CONTENT}"] = _pair_sum(_cosine_from_gram(gram_c).double(), wc)
+        grams = torch.stack([gram_c + torch.einsum("bhqs,bgqs->bqhg", a_sr, a_sr), gram_c])  # full, content
+        cos = torch.einsum("nbqij,nbq->nij", _cosine_from_gram(grams).double(), torch.stack([w, wc]))
+        pairs[f"cosine/{cp.FULL}"], pairs[f"cosine/{cp.CONTENT}"] = cos
+    h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=a.dtype))
     if extra:  # the content compositions c = a_C / (1 - s)
         a.div_(rest.clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(-1))
+        content_keys = valid & ~sinks.mask[:, None, None, :]  # (B, 1|H, c, K)
         for name, m in _pairs(a, content_keys, z, extra, h_content).items():
             pairs[f"{name}/{cp.CONTENT}"] = _pair_sum(torch.nan_to_num(m).double(), wc)
-    per_head = lambda x, wt: torch.einsum("bhq,bq->h", x.double(), wt)  # noqa: E731
+    per_row = torch.stack([s, -(t_sink + t_content), -xr - t_sink, rest, content, (s >= dormant_threshold).to(s.dtype),
+                           h_content])  # (7, B, H, c)
+    sums = torch.einsum("nbhq,nbq->nh", per_row.double(), torch.stack([w] * 6 + [wc]))
     order = [f"{m}/{conv}" for conv in (cp.FULL, cp.CONTENT) for m in metrics]
-    return LayerStats(
-        rows=w.sum(), content_rows=wc.sum(),
-        sink_mass=per_head(s, w), entropy_full=per_head(h_full, w),
-        entropy_content=per_head(h_content, wc),
-        g=per_head(-xr - t_sink, w), rest=per_head(rest, w), rest_h_content=per_head(content, w),
-        dormant=per_head((s >= dormant_threshold).to(torch.float64), w), pairs={k: pairs[k] for k in order})
+    return LayerStats(rows=w.sum(), content_rows=wc.sum(), sink_mass=sums[0], entropy_full=sums[1],
+                      entropy_content=sums[6], g=sums[2], rest=sums[3], rest_h_content=sums[4], dormant=sums[5],
+                      pairs={k: pairs[k] for k in order})
+
+
+def _log_normaliser(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, rows: Tensor) -> Tensor:
+    """L = log sum_j exp z_j per row, (B, H, c).
+
+    a_j = e^(z_j - L) for every visible key, so L = z_j - log a_j from any one column
+    whose weight did not underflow: the first sink's (or key 0's), which almost every
+    row sees with weight. Counted rows where it did not (< 1e-30: subnormal weights
+    lose precision) fall back to the row maxima, a_max = e^(z_max - L): two more
+    passes over the chunk. Uncounted rows only need a finite value.
+    """
+    z_0 = z.gather(-1, sinks.idx[:, None, None, :1].expand(-1, z.shape[1], z.shape[2], -1))[..., 0]
+    a_0 = a_s[..., 0]
+    ok = a_0 > 1e-30
+    lse = z_0 - torch.log(a_0.clamp_min(1e-30))
+    if bool((ok | ~rows[:, None, :]).all()):
+        return lse
+    return torch.where(ok, lse, z.amax(-1) - torch.log(a.amax(-1)))
 
 
 @dataclass(frozen=True)
