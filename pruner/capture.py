@@ -117,19 +117,23 @@ class _Batch:
     mask2d: torch.Tensor  # (B, T) real tokens
     sink: torch.Tensor    # (B, T) sink keys
     rows: torch.Tensor    # (B, T) head-level rows: real tokens that are not sinks
-    sinks_by_k1: dict = dataclasses.field(default_factory=dict)  # (k1, device) -> SinkCols of keys [0, k1)
+    chunks: dict = dataclasses.field(default_factory=dict)  # see chunk_keys
     residual: list = dataclasses.field(default_factory=list)  # per block: sum of ||h||^2 over real tokens
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mask2d, sink, rows on `device` (device_map: each layer's own)."""
         return tuple(x.to(device) for x in (self.mask2d, self.sink, self.rows))
 
-    def sink_cols(self, k1: int, device) -> st.SinkCols:
-        """The sinks among the first k1 keys, built once per batch (every layer has the same chunks)."""
-        key = (k1, torch.device(device))
-        if key not in self.sinks_by_k1:
-            self.sinks_by_k1[key] = st.sink_cols(self.sink[:, :k1].to(device))
-        return self.sinks_by_k1[key]
+    def chunk_keys(self, mask: torch.Tensor | None, q0: int, q1: int, causal: bool, device) -> st.ChunkKeys:
+        """The keys query rows [q0, q1) see, built once per batch: every layer has the same chunks and
+        receives the same mask object (within one forward pass its storage identifies it)."""
+        k1 = q1 if causal else self.mask2d.shape[1]  # causal: keys after the chunk's last query are never visible
+        key = (q0, q1, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
+        if key not in self.chunks:
+            mask2d, sink, rows = self.on(device)
+            valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
+            self.chunks[key] = st.chunk_keys(valid, st.sink_cols(sink[:, :k1]), rows[:, q0:q1])
+        return self.chunks[key]
 
 
 class Capture:
@@ -221,7 +225,7 @@ class Capture:
         in the model's dtype. Half-precision inputs are computed in float32 (bfloat16 on
         the CPU: q k^T on bfloat16 units, exact; see `stats.matmul_precision`).
         """
-        mask2d, sink, rows = self._batch.on(query.device)  # device_map: this layer's device
+        mask2d = self._batch.mask2d.to(query.device)  # device_map: this layer's device
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
@@ -235,10 +239,9 @@ class Capture:
         total = None
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
-            k1 = q1 if causal else T  # causal: keys after the chunk's last query are never visible
-            valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
-            chunk = st.AttentionChunk(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], valid,
-                                      self._batch.sink_cols(k1, query.device), rows[:, q0:q1], scale)
+            keys = self._batch.chunk_keys(mask, q0, q1, causal, query.device)
+            k1 = keys.valid.shape[-1]
+            chunk = st.AttentionChunk(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], keys, scale)
             o, u, part = st.attend(chunk, self.config.metrics, self.config.dormant_threshold, self._work, bf16)
             out[:, q0:q1] = o.transpose(1, 2)
             if u_all is not None:

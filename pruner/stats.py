@@ -326,20 +326,44 @@ def sink_cols(sink: Tensor) -> SinkCols:
 
 
 @dataclass(frozen=True)
+class ChunkKeys:
+    """Which keys each query row of a chunk sees and which rows count: the same for every layer
+    of a batch (with the same mask), so the capture builds it once per chunk and batch.
+
+    valid: (B, 1|H, c, K) bool; sinks: of the K keys; w: (B, c) float64 head-level rows;
+    wc: (B, c) float64 those with >= 2 content keys; masked_from: the first key column
+    that any row masks (None: none).
+    """
+
+    valid: Tensor
+    sinks: SinkCols
+    w: Tensor
+    wc: Tensor
+    masked_from: int | None
+
+
+def chunk_keys(valid: Tensor, sinks: SinkCols, rows: Tensor) -> ChunkKeys:
+    """`ChunkKeys` of valid keys (B, 1|H, c, K), the sinks of those K keys and counted rows (B, c)."""
+    sink_keys = valid.gather(-1, sinks.idx[:, None, None, :].expand(-1, valid.shape[1], valid.shape[2], -1))
+    n_content = valid.sum(-1) - (sink_keys * sinks.real[:, None, None, :]).sum(-1)  # (B, 1|H, c)
+    w = rows.to(torch.float64)
+    cols = (~valid).flatten(0, -2).any(0)  # (K,)
+    masked_from = int(cols.to(torch.uint8).argmax()) if bool(cols.any()) else None
+    return ChunkKeys(valid, sinks, w, w * (n_content[:, 0] >= 2), masked_from)
+
+
+@dataclass(frozen=True)
 class AttentionChunk:
     """One chunk of query rows of one layer, as `attend` reads it.
 
     q: (B, H, c, d_head); k, v: (B, H_kv, K, d_head), float32 (H = H_kv x group, heads
-    kv-major, as `repeat_kv` orders them); valid: (B, 1, c, K) bool; sinks: of the K
-    keys; rows: (B, c) head-level rows; scale: the score scaling.
+    kv-major, as `repeat_kv` orders them); keys: what the rows see; scale: the score scaling.
     """
 
     q: Tensor
     k: Tensor
     v: Tensor
-    valid: Tensor
-    sinks: SinkCols
-    rows: Tensor
+    keys: ChunkKeys
     scale: float
 
 
@@ -378,18 +402,19 @@ def attend(chunk: AttentionChunk, metrics: tuple[str, ...] = (), dormant_thresho
     Hkv, K = k.shape[1], k.shape[2]
     G = H // Hkv
     work = work or Workspace()
+    keys = chunk.keys
     z = scores(q, k, chunk.scale, work.get("scores", (B, H, c, K), q), bf16)
-    _mask_scores(z, chunk.valid)
+    _mask_scores(z, keys)
     a = work.get("weights", (B, H, c, K), q)
     torch.ops.aten._softmax.out(z, -1, False, out=a)
     with matmul_precision(bf16):
         o = torch.bmm(a.view(B * Hkv, G * c, K), v.reshape(B * Hkv, K, D)).view(B, H, c, D)
-    a_s = _gather_sinks(a, chunk.sinks)  # (B, H, c, S)
+    a_s = _gather_sinks(a, keys.sinks)  # (B, H, c, S)
     S = a_s.shape[-1]
-    v_s = v.gather(2, chunk.sinks.idx[:, None, :, None].expand(B, Hkv, S, D))  # (B, H_kv, S, d_head)
-    u = torch.bmm((a_s * chunk.sinks.real[:, None, None, :]).view(B * Hkv, G * c, S),
+    v_s = v.gather(2, keys.sinks.idx[:, None, :, None].expand(B, Hkv, S, D))  # (B, H_kv, S, d_head)
+    u = torch.bmm((a_s * keys.sinks.real[:, None, None, :]).view(B * Hkv, G * c, S),
                   v_s.view(B * Hkv, S, D)).view(B, H, c, D)
-    stats = _row_stats(z, a, a_s, chunk.sinks, chunk.valid, chunk.rows, metrics, dormant_threshold)
+    stats = _row_stats(z, a, a_s, keys, metrics, dormant_threshold)
     return o, u, stats
 
 
@@ -422,8 +447,8 @@ def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: t
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()
     z = z.masked_fill(~valid, _masked(z.dtype)).clamp_min(_masked(z.dtype))
     a = torch.softmax(z, dim=-1)  # (B, H, c, K)
-    sinks = sink_cols(sink)
-    return _row_stats(z, a, _gather_sinks(a, sinks), sinks, valid, rows, metrics, dormant_threshold)
+    keys = chunk_keys(valid, sink_cols(sink), rows)
+    return _row_stats(z, a, _gather_sinks(a, keys.sinks), keys, metrics, dormant_threshold)
 
 
 def _masked(dtype) -> float:
@@ -437,14 +462,12 @@ def _masked(dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
-def _mask_scores(z: Tensor, valid: Tensor) -> None:
+def _mask_scores(z: Tensor, keys: ChunkKeys) -> None:
     """Set invalid keys to `_masked`, in place, only from the first key column that any row
     masks (a causal chunk without padding masks its last c columns only)."""
-    bad = ~valid  # (B, 1, c, K)
-    cols = bad.flatten(0, -2).any(0)  # (K,)
-    if bool(cols.any()):
-        j0 = int(cols.to(torch.uint8).argmax())
-        z[..., j0:].masked_fill_(bad[..., j0:], _masked(z.dtype))
+    j0 = keys.masked_from
+    if j0 is not None:
+        z[..., j0:].masked_fill_(~keys.valid[..., j0:], _masked(z.dtype))
 
 
 def _gather_sinks(a: Tensor, sinks: SinkCols) -> Tensor:
@@ -453,8 +476,8 @@ def _gather_sinks(a: Tensor, sinks: SinkCols) -> Tensor:
     return a.gather(-1, sinks.idx[:, None, None, :].expand(B, H, c, -1))
 
 
-def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor, rows: Tensor,
-               metrics: tuple[str, ...], dormant_threshold: float) -> LayerStats:
+def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, keys: ChunkKeys, metrics: tuple[str, ...],
+               dormant_threshold: float) -> LayerStats:
     """Sums over the counted rows of one chunk. Overwrites `a` (its sink columns are zeroed).
 
     z, a: (B, H, c, K) scores (invalid keys at `_masked`) and their softmax; a_s:
@@ -472,14 +495,11 @@ def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor
     cosines come from the Gram matrix of the zeroed rows directly and the full rows'
     from it plus the sink columns' part: one Gram pass for both conventions.
     """
+    sinks, valid, w, wc = keys.sinks, keys.valid, keys.w, keys.wc
     a_sr = a_s * sinks.real[:, None, None, :]  # (B, H, c, S) sink weights, padding columns zeroed
     s = a_sr.sum(-1)  # (B, H, c) sink mass
     t_sink = torch.xlogy(a_sr, a_sr).sum(-1)
-    lse = _log_normaliser(z, a, a_s, sinks, rows)
-    sink_keys = valid.gather(-1, sinks.idx[:, None, None, :].expand(-1, valid.shape[1], valid.shape[2], -1))
-    n_content = valid.sum(-1) - (sink_keys * sinks.real[:, None, None, :]).sum(-1)  # (B, 1|H, c)
-    w = rows.to(torch.float64)  # (B, c)
-    wc = w * (n_content[:, 0] >= 2)
+    lse = _log_normaliser(z, a, a_s, keys)
     extra = tuple(m for m in metrics if m != "cosine")
     pairs = {}
     if extra:  # the full rows, before their sink columns are zeroed
@@ -511,7 +531,7 @@ def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, valid: Tensor
                       pairs={k: pairs[k] for k in order})
 
 
-def _log_normaliser(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, rows: Tensor) -> Tensor:
+def _log_normaliser(z: Tensor, a: Tensor, a_s: Tensor, keys: ChunkKeys) -> Tensor:
     """L = log sum_j exp z_j per row, (B, H, c).
 
     a_j = e^(z_j - L) for every visible key, so L = z_j - log a_j from any one column
@@ -520,11 +540,11 @@ def _log_normaliser(z: Tensor, a: Tensor, a_s: Tensor, sinks: SinkCols, rows: Te
     lose precision) fall back to the row maxima, a_max = e^(z_max - L): two more
     passes over the chunk. Uncounted rows only need a finite value.
     """
-    z_0 = z.gather(-1, sinks.idx[:, None, None, :1].expand(-1, z.shape[1], z.shape[2], -1))[..., 0]
+    z_0 = z.gather(-1, keys.sinks.idx[:, None, None, :1].expand(-1, z.shape[1], z.shape[2], -1))[..., 0]
     a_0 = a_s[..., 0]
     ok = a_0 > 1e-30
     lse = z_0 - torch.log(a_0.clamp_min(1e-30))
-    if bool((ok | ~rows[:, None, :]).all()):
+    if bool((ok | (keys.w == 0)[:, None, :]).all()):
         return lse
     return torch.where(ok, lse, z.amax(-1) - torch.log(a.amax(-1)))
 
