@@ -100,6 +100,9 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
     was_training = model.training
     model.eval()
+    frozen = [w for w in model.parameters() if w.requires_grad]  # only xi's gradient is needed: weight
+    for w in frozen:  # gradients would cost a model-sized .grad and a third of each backward
+        w.requires_grad_(False)
     try:
         it = distributed.shard_indices(len(batch))
         for i in (tqdm(it, desc="gradient", unit="window") if progress else it):
@@ -112,6 +115,8 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
         for h in hooks:
             h.remove()
         model.train(was_training)
+        for w in frozen:
+            w.requires_grad_(True)
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
