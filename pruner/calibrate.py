@@ -31,7 +31,7 @@ def _diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
 def layer_grams(model) -> torch.Tensor:
     """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float64.
 
-    Products in float32 (bfloat16 weights: on bfloat16 units, exact products), summed
+    Products in float32 (bfloat16 weights: on bfloat16 / TF32 units, exact products), summed
     in a fixed order (`stats.gram`): float64 products cost d_model x (H*d_head)^2 per
     layer, seconds for a 1B model, for a precision (~1e-7) no score needs.
     """
@@ -39,7 +39,7 @@ def layer_grams(model) -> torch.Tensor:
     out = []
     for layer in range(g.n_layers):
         w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
-        with st.matmul_precision(w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+        with st.matmul_precision(w.dtype == torch.bfloat16):
             out.append(st.gram(w.float(), g.n_heads).double())
     return torch.stack(out)
 

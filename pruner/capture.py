@@ -222,14 +222,14 @@ class Capture:
         """One layer, chunk by chunk: scores, one softmax, output and statistics (`pruner.stats.attend`).
 
         Returns what transformers expects from an attention function: (B, T, H, d_head)
-        in the model's dtype. Half-precision inputs are computed in float32 (bfloat16 on
-        the CPU: q k^T on bfloat16 units, exact; see `stats.matmul_precision`).
+        in the model's dtype. Half-precision inputs are computed in float32 (bfloat16:
+        q k^T on bfloat16 / TF32 units, exact; see `stats.matmul_precision`).
         """
         mask2d = self._batch.mask2d.to(query.device)  # device_map: this layer's device
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        bf16 = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+        bf16 = query.dtype == torch.bfloat16
         up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
         q, k, v = up(query), up(key), up(value)
         scale = scaling if scaling is not None else D ** -0.5
@@ -265,7 +265,7 @@ class Capture:
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        bf16 = query.dtype == torch.bfloat16 and query.device.type == "cpu"
+        bf16 = query.dtype == torch.bfloat16
         up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
         query, key = up(query), up(key)  # half precision: scores in float32
         scale = scaling if scaling is not None else D ** -0.5

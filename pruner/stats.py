@@ -107,9 +107,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> Ou
     row, so raw second moments are dominated by mean x mean^T and a float32 product
     of raw values would lose the fluctuation that scoring and refit read. `joint`
     costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
-    computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model on the
-    CPU) its products run in bfloat16 with float32 accumulation, rounding the
-    centred values by 2^-9, below the rounding the model applied to o itself.
+    computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model)
+    its products run in reduced precision (`matmul_precision`), rounding the centred
+    values by at most 2^-9, no more than the model rounded o itself.
     """
     B, T, H, D = o.shape
     N = B * T
@@ -174,22 +174,26 @@ def gram(x: Tensor, heads: int, rows: int = 512) -> Tensor:
 
 
 @contextmanager
-def matmul_precision(bf16: bool):
-    """float32 matrix products computed in bfloat16 with float32 accumulation (CPU, oneDNN), inside.
+def matmul_precision(half: bool):
+    """Inside, float32 matrix products may round their inputs to the model's precision (`half`):
+    bfloat16 with float32 accumulation on the CPU (oneDNN: AMX / avx512_bf16), TF32 on CUDA.
 
     Exact for products of bfloat16 values (q k^T of a bfloat16 model: every product of
-    two 8-bit mantissas fits float32), and several times faster than IEEE float32 on
-    CPUs with AMX/avx512_bf16. Only products of the model's own values use it.
+    two 8-bit mantissas fits float32, and bfloat16 fits TF32's 10 bits), and several
+    times faster than IEEE float32. Only products of the model's own values, or of
+    values whose rounding matters no more than the model's (see `output_moments`),
+    run here. (The CUDA setting is untested here: no GPU was available.)
     """
-    if not bf16:
+    if not half:
         yield
         return
-    prev = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    cpu, cuda = torch.backends.mkldnn.matmul, torch.backends.cuda.matmul
+    prev = cpu.fp32_precision, cuda.fp32_precision
+    cpu.fp32_precision, cuda.fp32_precision = "bf16", "tf32"
     try:
         yield
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = prev
+        cpu.fp32_precision, cuda.fp32_precision = prev
 
 
 def _pair_sum(x: Tensor, w: Tensor) -> Tensor:
@@ -393,9 +397,9 @@ def attend(chunk: AttentionChunk, metrics: tuple[str, ...] = (), dormant_thresho
     (B, H, c, d_head), and the chunk's `LayerStats` (without output moments: those are
     per layer, `output_moments`). The scores are computed once, in float32, with GQA
     handled by grouping the queries of each KV head (no repeated keys). `bf16`: the
-    inputs hold bfloat16 values, so q k^T and a v may run on bfloat16 units
-    (`matmul_precision`): q k^T stays exact; a is rounded to bfloat16 for a v, as
-    bfloat16 attention does.
+    inputs hold bfloat16 values, so q k^T and a v may run in reduced precision
+    (`matmul_precision`): q k^T stays exact; a is rounded for a v (to bfloat16 on the
+    CPU, as bfloat16 attention does).
     """
     q, k, v = chunk.q, chunk.k, chunk.v
     B, H, c, D = q.shape
