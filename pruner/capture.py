@@ -117,23 +117,23 @@ class _Batch:
     mask2d: torch.Tensor  # (B, T) real tokens
     sink: torch.Tensor    # (B, T) sink keys
     rows: torch.Tensor    # (B, T) head-level rows: real tokens that are not sinks
-    chunks: dict = dataclasses.field(default_factory=dict)  # see chunk_keys
+    layers: dict = dataclasses.field(default_factory=dict)  # see layer_keys
     residual: list = dataclasses.field(default_factory=list)  # per block: sum of ||h||^2 over real tokens
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mask2d, sink, rows on `device` (device_map: each layer's own)."""
         return tuple(x.to(device) for x in (self.mask2d, self.sink, self.rows))
 
-    def chunk_keys(self, mask: torch.Tensor | None, q0: int, q1: int, causal: bool, device) -> st.ChunkKeys:
-        """The keys query rows [q0, q1) see, built once per batch: every layer has the same chunks and
+    def layer_keys(self, mask: torch.Tensor | None, chunk: int, causal: bool, device) -> st.LayerKeys:
+        """What each chunk of query rows sees, built once per batch: every layer has the same chunks and
         receives the same mask object (within one forward pass its storage identifies it)."""
-        k1 = q1 if causal else self.mask2d.shape[1]  # causal: keys after the chunk's last query are never visible
-        key = (q0, q1, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
-        if key not in self.chunks:
+        key = (chunk, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
+        if key not in self.layers:
             mask2d, sink, rows = self.on(device)
-            valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
-            self.chunks[key] = st.chunk_keys(valid, st.sink_cols(sink[:, :k1]), rows[:, q0:q1])
-        return self.chunks[key]
+            valid_of = lambda q0, q1, k1: valid_keys(None if mask is None else mask[..., :k1],  # noqa: E731
+                                                     mask2d[:, :k1], q0, q1, causal)
+            self.layers[key] = st.layer_keys(valid_of, mask2d.shape[1], chunk, causal, sink, rows)
+        return self.layers[key]
 
 
 class Capture:
@@ -225,30 +225,18 @@ class Capture:
         in the model's dtype. Half-precision inputs are computed in float32 (bfloat16:
         q k^T on bfloat16 / TF32 units, exact; see `stats.matmul_precision`).
         """
-        mask2d = self._batch.mask2d.to(query.device)  # device_map: this layer's device
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        bf16 = query.dtype == torch.bfloat16
         up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
-        q, k, v = up(query), up(key), up(value)
-        scale = scaling if scaling is not None else D ** -0.5
-        causal = getattr(module, "is_causal", True)
-        out = query.new_empty(B, T, H, D)
-        u_all = q.new_empty(B, T, H, D) if self.config.outputs else None  # sink channel of the output
-        total = None
-        for q0 in range(0, T, self.config.chunk_size):
-            q1 = min(T, q0 + self.config.chunk_size)
-            keys = self._batch.chunk_keys(mask, q0, q1, causal, query.device)
-            k1 = keys.valid.shape[-1]
-            chunk = st.AttentionChunk(q[:, :, q0:q1], k[:, :, :k1], v[:, :, :k1], keys, scale)
-            o, u, part = st.attend(chunk, self.config.metrics, self.config.dormant_threshold, self._work, bf16)
-            out[:, q0:q1] = o.transpose(1, 2)
-            if u_all is not None:
-                u_all[:, q0:q1] = u.transpose(1, 2)
-            total = part if total is None else total + part
-        if u_all is not None:
-            total = dataclasses.replace(total, outputs=st.output_moments(out, u_all, mask2d, bf16))
+        inputs = st.AttentionInputs(up(query), up(key), up(value), scaling if scaling is not None else D ** -0.5,
+                                    query.dtype)
+        keys = self._batch.layer_keys(mask, self.config.chunk_size, getattr(module, "is_causal", True),
+                                      query.device)  # device_map: this layer's device
+        out, u, total = st.attend(inputs, keys, self.config.metrics, self.config.dormant_threshold, self._work)
+        if self.config.outputs:
+            rows = self._batch.mask2d.to(query.device)  # every real token's output, sinks included
+            total = dataclasses.replace(total, outputs=st.output_moments(out, u, rows, query.dtype == torch.bfloat16))
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
         return out

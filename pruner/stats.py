@@ -302,73 +302,85 @@ def _pairs(p: Tensor, parts: Tensor, z: Tensor, metrics: tuple[str, ...],
 
 @dataclass(frozen=True)
 class SinkCols:
-    """The sink keys of each sequence as gather indices: sinks are few, so gathering their
-    columns replaces passes over every key.
+    """The sink keys of a batch as columns: sinks are few, so gathering their columns replaces
+    passes over every key.
 
-    mask: (B, K) bool sink keys; idx: (B, S) key positions, S the most sinks of any
-    sequence; real: (B, S) 1.0 for a sink, 0.0 for padding. Padding repeats the row's
-    first sink (key 0 in a row without sinks), so writing zeros at `idx` touches sinks only.
+    cols: (P,) long, ascending: the key positions that are a sink of some sequence;
+    member: (B, P) 1.0 where cols[p] is a sink of sequence b, else 0.0; mask: (B, K) bool.
     """
 
+    cols: Tensor
+    member: Tensor
     mask: Tensor
-    idx: Tensor
-    real: Tensor
 
-    @property
-    def none(self) -> Tensor:
-        """(B,) rows without any sink."""
-        return self.real[:, 0] == 0
+    def before(self, k1: int) -> int:
+        """How many of the columns lie among the first k1 keys."""
+        return int(torch.searchsorted(self.cols, k1))
 
 
 def sink_cols(sink: Tensor) -> SinkCols:
     """`SinkCols` of a (B, K) bool sink mask."""
-    S = max(int(sink.sum(-1).max()), 1) if sink.numel() else 1
-    order = torch.sort(sink.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :S]  # sinks first
-    real = torch.gather(sink, 1, order)
-    idx = torch.where(real, order, order[:, :1])
-    return SinkCols(sink, idx, real.float())
+    cols = sink.any(0).nonzero().flatten()  # (P,) ascending
+    return SinkCols(cols, sink[:, cols].to(torch.float32), sink)
 
 
 @dataclass(frozen=True)
 class ChunkKeys:
-    """Which keys each query row of a chunk sees and which rows count: the same for every layer
-    of a batch (with the same mask), so the capture builds it once per chunk and batch.
+    """Query rows [q0, q1) of a layer and the keys they see: valid (B, 1|H, c, K) bool, K the keys
+    up to the chunk's last visible one; masked_from: the first key column any row masks (None: none)."""
 
-    valid: (B, 1|H, c, K) bool; sinks: of the K keys; w: (B, c) float64 head-level rows;
-    wc: (B, c) float64 those with >= 2 content keys; masked_from: the first key column
-    that any row masks (None: none).
-    """
-
+    q0: int
+    q1: int
     valid: Tensor
-    sinks: SinkCols
-    w: Tensor
-    wc: Tensor
     masked_from: int | None
 
 
-def chunk_keys(valid: Tensor, sinks: SinkCols, rows: Tensor) -> ChunkKeys:
-    """`ChunkKeys` of valid keys (B, 1|H, c, K), the sinks of those K keys and counted rows (B, c)."""
-    sink_keys = valid.gather(-1, sinks.idx[:, None, None, :].expand(-1, valid.shape[1], valid.shape[2], -1))
-    n_content = valid.sum(-1) - (sink_keys * sinks.real[:, None, None, :]).sum(-1)  # (B, 1|H, c)
+@dataclass(frozen=True)
+class LayerKeys:
+    """What the query rows of a batch see, chunk by chunk, and which rows count. The same for every
+    layer with the same mask, so the capture builds it once per batch.
+
+    chunks: cover the rows [0, T) in order; sinks: of all T keys; w: (B, T) float64
+    head-level rows; wc: (B, T) float64 those with >= 2 content keys.
+    """
+
+    chunks: tuple[ChunkKeys, ...]
+    sinks: SinkCols
+    w: Tensor
+    wc: Tensor
+
+
+def layer_keys(valid_of, T: int, chunk: int, causal: bool, sink: Tensor, rows: Tensor) -> LayerKeys:
+    """`LayerKeys` of T query rows in chunks of `chunk` rows.
+
+    valid_of(q0, q1, k1): the valid keys (B, 1|H, q1 - q0, k1) of rows [q0, q1) among the
+    first k1 keys; causal: keys after a chunk's last row are never visible (k1 = q1);
+    sink: (B, T) sink keys; rows: (B, T) head-level rows.
+    """
+    sinks = sink_cols(sink)
+    chunks, n_content = [], []
+    for q0 in range(0, T, chunk):
+        q1 = min(T, q0 + chunk)
+        valid = valid_of(q0, q1, q1 if causal else T)
+        bad = (~valid).flatten(0, -2).any(0)  # (K,)
+        chunks.append(ChunkKeys(q0, q1, valid, int(bad.to(torch.uint8).argmax()) if bool(bad.any()) else None))
+        n_content.append(valid.sum(-1)[:, 0] - (valid[:, 0] & sink[:, None, :valid.shape[-1]]).sum(-1))  # (B, c)
     w = rows.to(torch.float64)
-    cols = (~valid).flatten(0, -2).any(0)  # (K,)
-    masked_from = int(cols.to(torch.uint8).argmax()) if bool(cols.any()) else None
-    return ChunkKeys(valid, sinks, w, w * (n_content[:, 0] >= 2), masked_from)
+    return LayerKeys(tuple(chunks), sinks, w, w * (torch.cat(n_content, dim=1) >= 2))
 
 
 @dataclass(frozen=True)
-class AttentionChunk:
-    """One chunk of query rows of one layer, as `attend` reads it.
-
-    q: (B, H, c, d_head); k, v: (B, H_kv, K, d_head), float32 (H = H_kv x group, heads
-    kv-major, as `repeat_kv` orders them); keys: what the rows see; scale: the score scaling.
-    """
+class AttentionInputs:
+    """One layer's attention call: q (B, H, T, d_head); k, v (B, H_kv, T, d_head), float32 or
+    float64 (H = H_kv x group, heads kv-major, as `repeat_kv` orders them); scale: the score
+    scaling; dtype: the model's, for the output (bfloat16: reduced-precision products, see
+    `matmul_precision`)."""
 
     q: Tensor
     k: Tensor
     v: Tensor
-    keys: ChunkKeys
     scale: float
+    dtype: torch.dtype
 
 
 class Workspace:
@@ -389,37 +401,55 @@ class Workspace:
         return buf[:n].view(shape)
 
 
-def attend(chunk: AttentionChunk, metrics: tuple[str, ...] = (), dormant_threshold: float = 0.9,
-           work: Workspace | None = None, bf16: bool = False) -> tuple[Tensor, Tensor, LayerStats]:
-    """Attention output and statistics of one chunk from one softmax.
+class _Rows:
+    """Per-row sums of one layer, filled chunk by chunk: the passes over each chunk reduce it to
+    these; everything else is arithmetic on them, once per layer (`_finish`)."""
 
-    Returns the output (B, H, c, d_head) float32, its sink channel u = sum_{j in S} a_j v_j
-    (B, H, c, d_head), and the chunk's `LayerStats` (without output moments: those are
-    per layer, `output_moments`). The scores are computed once, in float32, with GQA
-    handled by grouping the queries of each KV head (no repeated keys). `bf16`: the
-    inputs hold bfloat16 values, so q k^T and a v may run in reduced precision
-    (`matmul_precision`): q k^T stays exact; a is rounded for a v (to bfloat16 on the
-    CPU, as bfloat16 attention does).
+    def __init__(self, like: Tensor, B: int, H: int, T: int, P: int, gram: bool):
+        self.sink = like.new_zeros(B, H, T, P)  # weights on the sink columns (0 where not a sink)
+        self.lse = like.new_empty(B, H, T)      # log sum_j exp z_j
+        self.rest = like.new_empty(B, H, T)     # content mass
+        self.dot = like.new_empty(B, H, T)      # sum_{j in C} a_j z_j
+        self.gram = like.new_empty(B, T, H, H) if gram else None  # content rows' Gram matrices
+        self.pairs: dict[str, Tensor] = {}      # other metrics, summed per chunk
+
+
+def attend(inputs: AttentionInputs, keys: LayerKeys, metrics: tuple[str, ...] = (),
+           dormant_threshold: float = 0.9, work: Workspace | None = None) -> tuple[Tensor, Tensor, LayerStats]:
+    """Attention output and statistics of one layer from one softmax per chunk of query rows.
+
+    Returns the output (B, T, H, d_head) in `inputs.dtype` (what transformers expects from
+    an attention function), its sink channel u = sum_{j in S} a_j v_j (B, T, H, d_head)
+    float32, and the layer's `LayerStats` (without output moments: `output_moments`).
+    Per chunk: the scores once (GQA by grouping the queries of each KV head, no repeated
+    keys), one softmax, the output, then the statistics' passes (`_fold_chunk`).
     """
-    q, k, v = chunk.q, chunk.k, chunk.v
-    B, H, c, D = q.shape
-    Hkv, K = k.shape[1], k.shape[2]
+    q, k, v = inputs.q, inputs.k, inputs.v
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
     G = H // Hkv
+    half = inputs.dtype == torch.bfloat16
     work = work or Workspace()
-    keys = chunk.keys
-    z = scores(q, k, chunk.scale, work.get("scores", (B, H, c, K), q), bf16)
-    _mask_scores(z, keys)
-    a = work.get("weights", (B, H, c, K), q)
-    torch.ops.aten._softmax.out(z, -1, False, out=a)
-    with matmul_precision(bf16):
-        o = torch.bmm(a.view(B * Hkv, G * c, K), v.reshape(B * Hkv, K, D)).view(B, H, c, D)
-    a_s = _gather_sinks(a, keys.sinks)  # (B, H, c, S)
-    S = a_s.shape[-1]
-    v_s = v.gather(2, keys.sinks.idx[:, None, :, None].expand(B, Hkv, S, D))  # (B, H_kv, S, d_head)
-    u = torch.bmm((a_s * keys.sinks.real[:, None, None, :]).view(B * Hkv, G * c, S),
-                  v_s.view(B * Hkv, S, D)).view(B, H, c, D)
-    stats = _row_stats(z, a, a_s, keys, metrics, dormant_threshold)
-    return o, u, stats
+    sinks = keys.sinks
+    out = q.new_empty(B, T, H, D, dtype=inputs.dtype)
+    rows = _Rows(q, B, H, T, len(sinks.cols), "cosine" in metrics)
+    extra = tuple(m for m in metrics if m != "cosine")
+    for ck in keys.chunks:
+        c, K = ck.q1 - ck.q0, ck.valid.shape[-1]
+        z = scores(q[:, :, ck.q0:ck.q1], k[:, :, :K], inputs.scale, work.get("scores", (B, H, c, K), q), half)
+        if ck.masked_from is not None:
+            j0 = ck.masked_from
+            z[..., j0:].masked_fill_(~ck.valid[..., j0:], _masked(z.dtype))
+        a = work.get("weights", (B, H, c, K), q)
+        torch.ops.aten._softmax.out(z, -1, False, out=a)
+        with matmul_precision(half):
+            o = torch.bmm(a.view(B * Hkv, G * c, K), v[:, :, :K].reshape(B * Hkv, K, D))  # (B*Hkv, G*c, D)
+        out[:, ck.q0:ck.q1] = o.view(B, H, c, D).transpose(1, 2)
+        _fold_chunk(z, a, ck, keys, rows, extra)
+    S = len(sinks.cols)
+    v_s = v.index_select(2, sinks.cols)  # (B, H_kv, S, d_head)
+    u = torch.bmm(rows.sink.view(B * Hkv, G * T, S), v_s.reshape(B * Hkv, S, D)).view(B, H, T, D)
+    return out, u.transpose(1, 2), _finish(rows, keys, metrics, dormant_threshold)
 
 
 def scores(q: Tensor, k: Tensor, scale: float, out: Tensor | None = None, bf16: bool = False) -> Tensor:
@@ -445,14 +475,20 @@ def chunk_stats(z: Tensor, sink: Tensor, valid: Tensor, rows: Tensor, metrics: t
     underflowed, as log of eager maps gives); sink: (B, K) sink keys; valid: (B, 1|H, c, K)
     keys each query may see; rows: (B, c) query rows that count (non-pad, not a sink).
     The model-wide capture (scores of every layer stacked on the head axis) and the eager
-    reference use this; a model's own layers go through `attend`, which shares the
-    statistics (`_row_stats`).
+    reference use this; a model's own layers go through `attend`. Both share the
+    statistics (`_fold_chunk`, `_finish`).
     """
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()
     z = z.masked_fill(~valid, _masked(z.dtype)).clamp_min(_masked(z.dtype))
     a = torch.softmax(z, dim=-1)  # (B, H, c, K)
-    keys = chunk_keys(valid, sink_cols(sink), rows)
-    return _row_stats(z, a, _gather_sinks(a, keys.sinks), keys, metrics, dormant_threshold)
+    B, H, c, K = z.shape
+    sinks = sink_cols(sink)
+    w = rows.to(torch.float64)
+    n_content = (valid & ~sink[:, None, None, :]).sum(-1)[:, 0]
+    keys = LayerKeys((ChunkKeys(0, c, valid, None),), sinks, w, w * (n_content >= 2))
+    acc = _Rows(z, B, H, c, len(sinks.cols), "cosine" in metrics)
+    _fold_chunk(z, a, keys.chunks[0], keys, acc, tuple(m for m in metrics if m != "cosine"))
+    return _finish(acc, keys, metrics, dormant_threshold)
 
 
 def _masked(dtype) -> float:
@@ -466,91 +502,93 @@ def _masked(dtype) -> float:
     return torch.finfo(dtype).min / 2
 
 
-def _mask_scores(z: Tensor, keys: ChunkKeys) -> None:
-    """Set invalid keys to `_masked`, in place, only from the first key column that any row
-    masks (a causal chunk without padding masks its last c columns only)."""
-    j0 = keys.masked_from
-    if j0 is not None:
-        z[..., j0:].masked_fill_(~keys.valid[..., j0:], _masked(z.dtype))
+def _fold_chunk(z: Tensor, a: Tensor, ck: ChunkKeys, keys: LayerKeys, acc: _Rows, extra: tuple[str, ...]) -> None:
+    """The passes over one chunk's rows: z, a (B, H, c, K) scores (invalid keys at `_masked`)
+    and weights. Overwrites `a` (its sink columns are zeroed).
 
-
-def _gather_sinks(a: Tensor, sinks: SinkCols) -> Tensor:
-    """a (B, H, c, K) at the sink columns: (B, H, c, S) (padding columns repeat a sink)."""
-    B, H, c, _ = a.shape
-    return a.gather(-1, sinks.idx[:, None, None, :].expand(B, H, c, -1))
-
-
-def _row_stats(z: Tensor, a: Tensor, a_s: Tensor, keys: ChunkKeys, metrics: tuple[str, ...],
-               dormant_threshold: float) -> LayerStats:
-    """Sums over the counted rows of one chunk. Overwrites `a` (its sink columns are zeroed).
-
-    z, a: (B, H, c, K) scores (invalid keys at `_masked`) and their softmax; a_s:
-    (B, H, c, S) a at the sink columns. This runs on every chunk of every layer, so it
-    makes few passes over the (B, H, c, K) rows, evaluates no logarithm on them, and
-    few operations overall. With L = log sum_j exp z_j (`_log_normaliser`),
-    log a_j = z_j - L, so the content term of the entropy is
-    T_C = sum_{j in C} a_j log a_j = sum_{j in C} a_j z_j - L (1 - s),
-    one dot product per row once the sink columns of a are zeroed; its sink counterpart
-    T_S = sum_{j in S} a_j log a_j runs over the gathered sink columns. The entropy
-    grouping terms then follow per row (DESIGN section 4) without forming the
-    compositions: s H(c_S) = s log s - T_S, (1 - s) H(c) = (1 - s) log(1 - s) - T_C,
-    H(a) = -(T_S + T_C). The content mass 1 - s is summed from the content parts, so it
-    stays exact when s rounds to 1. Cosine is scale-invariant, so the content rows'
-    cosines come from the Gram matrix of the zeroed rows directly and the full rows'
-    from it plus the sink columns' part: one Gram pass for both conventions.
+    Evaluates no logarithm on the rows. With L = log sum_j exp z_j, log a_j = z_j - L,
+    so T_C = sum_{j in C} a_j log a_j = sum_{j in C} a_j z_j - L (1 - s): one dot product
+    per row once the sink columns of a are zeroed; L itself comes from one column,
+    L = z_j - log a_j (`_log_normaliser`). Cosine is scale-invariant, so the content
+    rows' cosines come from the Gram matrix of the zeroed rows directly, and the full
+    rows' from it plus the sink columns' part (`_finish`).
     """
-    sinks, valid, w, wc = keys.sinks, keys.valid, keys.w, keys.wc
-    a_sr = a_s * sinks.real[:, None, None, :]  # (B, H, c, S) sink weights, padding columns zeroed
-    s = a_sr.sum(-1)  # (B, H, c) sink mass
-    t_sink = torch.xlogy(a_sr, a_sr).sum(-1)
-    lse = _log_normaliser(z, a, a_s, keys)
-    extra = tuple(m for m in metrics if m != "cosine")
-    pairs = {}
+    sinks, (q0, q1) = keys.sinks, (ck.q0, ck.q1)
+    P = sinks.before(z.shape[-1])
+    cols, member = sinks.cols[:P], sinks.member[:, None, None, :P]
+    a_s = a.index_select(-1, cols)  # (B, H, c, P)
+    a_sr = a_s * member
+    acc.sink[:, :, q0:q1, :P] = a_sr
+    acc.lse[:, :, q0:q1] = lse = _log_normaliser(z, a, z.index_select(-1, cols), a_sr, keys.w[:, q0:q1])
     if extra:  # the full rows, before their sink columns are zeroed
-        for name, m in _pairs(a, valid, z, extra).items():
-            pairs[f"{name}/{cp.FULL}"] = _pair_sum(torch.nan_to_num(m).double(), w)
-    keep = (sinks.none[:, None, None, None] * a_s).to(a.dtype)  # rows without sinks keep their column
-    a.scatter_(-1, sinks.idx[:, None, None, :].expand_as(a_s), keep)  # a -> content part (zero on S)
-    rest = a.sum(-1)  # (B, H, c) content mass 1 - s
-    t_content = torch.einsum("bhqk,bhqk->bhq", a, z) - lse * rest
+        for name, m in _pairs(a, ck.valid, z, extra).items():
+            _add_pairs(acc.pairs, f"{name}/{cp.FULL}", _pair_sum(torch.nan_to_num(m).double(), keys.w[:, q0:q1]))
+    a.index_copy_(-1, cols, a_s - a_sr)  # a -> its content part (zero on each sequence's sinks)
+    acc.rest[:, :, q0:q1] = rest = a.sum(-1)  # (B, H, c) content mass, summed from the content parts
+    acc.dot[:, :, q0:q1] = dot = torch.einsum("bhqk,bhqk->bhq", a, z)
+    if acc.gram is not None:
+        acc.gram[:, q0:q1] = torch.einsum("bhqk,bgqk->bqhg", a, a)  # (B, c, H, H)
+    if extra:  # the content compositions c = a_C / (1 - s)
+        h_content = torch.where(rest > 0, torch.log(rest) + lse - dot / rest.clamp_min(torch.finfo(a.dtype).tiny),
+                                torch.zeros((), dtype=a.dtype))
+        a.div_(rest.clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(-1))
+        content_keys = ck.valid & ~sinks.mask[:, None, None, :a.shape[-1]]
+        for name, m in _pairs(a, content_keys, z, extra, h_content).items():
+            _add_pairs(acc.pairs, f"{name}/{cp.CONTENT}", _pair_sum(torch.nan_to_num(m).double(),
+                                                                    keys.wc[:, q0:q1]))
+
+
+def _add_pairs(pairs: dict[str, Tensor], key: str, x: Tensor) -> None:
+    pairs[key] = x if key not in pairs else pairs[key] + x
+
+
+def _log_normaliser(z: Tensor, a: Tensor, z_s: Tensor, a_sr: Tensor, w: Tensor) -> Tensor:
+    """L = log sum_j exp z_j per row, (B, H, c).
+
+    a_j = e^(z_j - L) for every visible key, so L = z_j - log a_j from any one column
+    whose weight did not underflow: the row's heaviest sink column (z_s, a_sr: z and
+    a there, (B, H, c, P)). Counted rows (w > 0) where that weight is below 1e-30
+    (subnormal weights lose precision), or that have no sink, fall back to the row
+    maxima, a_max = e^(z_max - L): two more passes over the chunk.
+    """
+    if a_sr.shape[-1]:
+        a_0, j = a_sr.max(-1, keepdim=True)
+        z_0 = z_s.gather(-1, j)
+        a_0, z_0 = a_0[..., 0], z_0[..., 0]
+    else:
+        a_0 = z_0 = torch.zeros(a.shape[:-1], dtype=a.dtype, device=a.device)
+    ok = a_0 > 1e-30
+    lse = z_0 - torch.log(a_0.clamp_min(1e-30))
+    if bool((ok | (w == 0)[:, None, :]).all()):
+        return lse
+    return torch.where(ok, lse, z.amax(-1) - torch.log(a.amax(-1)))
+
+
+def _finish(acc: _Rows, keys: LayerKeys, metrics: tuple[str, ...], dormant_threshold: float) -> LayerStats:
+    """The layer's sums from its per-row sums: the entropy grouping terms per row (DESIGN section 4)
+    without forming the compositions, with T_S = sum_{j in S} a_j log a_j and T_C from `_fold_chunk`:
+    s H(c_S) = s log s - T_S, (1 - s) H(c) = (1 - s) log(1 - s) - T_C, H(a) = -(T_S + T_C)."""
+    w, wc = keys.w, keys.wc  # (B, T)
+    s = acc.sink.sum(-1)  # (B, H, T) sink mass
+    t_sink = torch.xlogy(acc.sink, acc.sink).sum(-1)
+    rest = acc.rest
+    t_content = acc.dot - acc.lse * rest
     xr = torch.xlogy(rest, rest)
     content = xr - t_content  # (1 - s) H(c)
-    if "cosine" in metrics:
-        gram_c = torch.einsum("bhqk,bgqk->bqhg", a, a)  # (B, c, H, H) content parts
-        grams = torch.stack([gram_c + torch.einsum("bhqs,bgqs->bqhg", a_sr, a_sr), gram_c])  # full, content
-        cos = torch.einsum("nbqij,nbq->nij", _cosine_from_gram(grams).double(), torch.stack([w, wc]))
-        pairs[f"cosine/{cp.FULL}"], pairs[f"cosine/{cp.CONTENT}"] = cos
-    h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=a.dtype))
-    if extra:  # the content compositions c = a_C / (1 - s)
-        a.div_(rest.clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(-1))
-        content_keys = valid & ~sinks.mask[:, None, None, :]  # (B, 1|H, c, K)
-        for name, m in _pairs(a, content_keys, z, extra, h_content).items():
-            pairs[f"{name}/{cp.CONTENT}"] = _pair_sum(torch.nan_to_num(m).double(), wc)
-    per_row = torch.stack([s, -(t_sink + t_content), -xr - t_sink, rest, content, (s >= dormant_threshold).to(s.dtype),
-                           h_content])  # (7, B, H, c)
+    h_content = torch.where(rest > 0, content / rest, torch.zeros((), dtype=rest.dtype))
+    per_row = torch.stack([s, -(t_sink + t_content), -xr - t_sink, rest, content,
+                           (s >= dormant_threshold).to(s.dtype), h_content])  # (7, B, H, T)
     sums = torch.einsum("nbhq,nbq->nh", per_row.double(), torch.stack([w] * 6 + [wc]))
+    pairs = dict(acc.pairs)
+    if acc.gram is not None:
+        full = acc.gram + torch.einsum("bhqs,bgqs->bqhg", acc.sink, acc.sink)
+        cos = torch.einsum("nbqij,nbq->nij", _cosine_from_gram(torch.stack([full, acc.gram])).double(),
+                           torch.stack([w, wc]))
+        pairs[f"cosine/{cp.FULL}"], pairs[f"cosine/{cp.CONTENT}"] = cos
     order = [f"{m}/{conv}" for conv in (cp.FULL, cp.CONTENT) for m in metrics]
     return LayerStats(rows=w.sum(), content_rows=wc.sum(), sink_mass=sums[0], entropy_full=sums[1],
                       entropy_content=sums[6], g=sums[2], rest=sums[3], rest_h_content=sums[4], dormant=sums[5],
                       pairs={k: pairs[k] for k in order})
-
-
-def _log_normaliser(z: Tensor, a: Tensor, a_s: Tensor, keys: ChunkKeys) -> Tensor:
-    """L = log sum_j exp z_j per row, (B, H, c).
-
-    a_j = e^(z_j - L) for every visible key, so L = z_j - log a_j from any one column
-    whose weight did not underflow: the first sink's (or key 0's), which almost every
-    row sees with weight. Counted rows where it did not (< 1e-30: subnormal weights
-    lose precision) fall back to the row maxima, a_max = e^(z_max - L): two more
-    passes over the chunk. Uncounted rows only need a finite value.
-    """
-    z_0 = z.gather(-1, keys.sinks.idx[:, None, None, :1].expand(-1, z.shape[1], z.shape[2], -1))[..., 0]
-    a_0 = a_s[..., 0]
-    ok = a_0 > 1e-30
-    lse = z_0 - torch.log(a_0.clamp_min(1e-30))
-    if bool((ok | (keys.w == 0)[:, None, :]).all()):
-        return lse
-    return torch.where(ok, lse, z.amax(-1) - torch.log(a.amax(-1)))
 
 
 @dataclass(frozen=True)
