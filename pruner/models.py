@@ -145,6 +145,13 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     from transformers.utils import logging as hf_logging
 
     path = resolve(name_or_path)
+    if Path(path).exists() and _is_per_layer(path):  # pruner's own per-layer checkpoint: its packaged classes
+        from pruner import compact
+
+        model = compact.load(path, dtype=dtype, attn_implementation=attn_implementation,
+                             **({"device_map": device_map} if device_map else {}))
+        check_finite(model, name_or_path)
+        return model if device_map else model.to(device)
     overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
     config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
     cls = auto_class(config)
@@ -161,6 +168,13 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
         hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
+
+
+def _is_per_layer(folder: str) -> bool:
+    """A pruner per-layer checkpoint (config.json has `pruner_format`): loaded by pruner.compact, no remote code."""
+    import json
+
+    return "pruner_format" in json.loads((Path(folder) / "config.json").read_text())
 
 
 def auto_class(config):
