@@ -70,15 +70,20 @@ class UnsupportedArchitecture(ValueError):
 def adapter_for(model) -> Adapter:
     """The adapter of a model, or a clear error naming the supported families."""
     kind = model.config.model_type
-    if getattr(model.config, "pruner_format", None):
-        raise UnsupportedArchitecture(
-            f"this is a pruner per-layer checkpoint ({kind}: layers keep different head counts); pruner scores, "
-            "prunes and analyses models with the same heads in every layer: use its base model (named in its "
-            "model card), or run this one for inference (pruner.load)")
+    _refuse_per_layer(model.config)
     if kind not in ADAPTERS:
         raise UnsupportedArchitecture(f"architecture {kind!r} is not supported; supported: "
                                       f"{', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[kind]
+
+
+def _refuse_per_layer(cfg) -> None:
+    """A pruner per-layer checkpoint has no single head count: the geometry every stage assumes."""
+    if getattr(cfg, "pruner_format", None):
+        raise UnsupportedArchitecture(
+            f"this is a pruner per-layer checkpoint ({cfg.model_type}: layers keep different head counts); pruner "
+            "scores, prunes and analyses models with the same heads in every layer: use its base model (named in "
+            "its model card), or run this one for inference (pruner.load)")
 
 
 def get(module, path: str):
@@ -118,6 +123,7 @@ def geometry(model) -> Geometry:
 
 
 def _read_geometry(cfg) -> Geometry:
+    _refuse_per_layer(cfg)
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads

@@ -410,6 +410,22 @@ def check_weights(build, folder: Path) -> None:
                 "checkpoint?)")
 
 
+def _per_layer_class(path, d: dict):
+    """pruner's packaged class for a per-layer checkpoint's config.json (format version checked)."""
+    version = d[modeling.FORMAT_KEY]
+    if version != modeling.FORMAT:
+        raise modeling.FormatError(f"{path}: per-layer format {version!r} is not one this pruner reads "
+                                   f"({modeling.FORMAT}); upgrade pruner")
+    kind = modeling.vanilla_type(d.get("model_type", ""))
+    return modeling.per_layer_class(kind, (d.get("architectures") or [""])[0].removeprefix(modeling.PREFIX))
+
+
+def load_config(path: str | Path):
+    """A per-layer checkpoint's config as pruner's packaged config class (no remote code)."""
+    folder = models.resolve(str(path))
+    return _per_layer_class(path, read_config(folder)).config_class.from_pretrained(folder)
+
+
 def load(path: str | Path, dtype: str | None = None, device: str | None = None, **kwargs):
     """Load a checkpoint pruner wrote -- per-layer, vanilla compact or dense -- without remote code.
 
@@ -425,13 +441,7 @@ def load(path: str | Path, dtype: str | None = None, device: str | None = None, 
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if is_per_layer(d):
-        version = d[modeling.FORMAT_KEY]
-        if version != modeling.FORMAT:
-            raise modeling.FormatError(f"{path}: per-layer format {version!r} is not one this pruner reads "
-                                       f"({modeling.FORMAT}); upgrade pruner")
-        kind = modeling.vanilla_type(d.get("model_type", ""))
-        arch_name = (d.get("architectures") or [""])[0].removeprefix(modeling.PREFIX)
-        cls = modeling.per_layer_class(kind, arch_name)
+        cls = _per_layer_class(path, d)
         config = cls.config_class.from_pretrained(folder)
         build = lambda: cls(config)  # noqa: E731
     else:

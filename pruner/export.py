@@ -257,7 +257,8 @@ def _load_lines(cls: str, where: str, saved: compact.Saved, model) -> list[str]:
     lines = len(modeling.source(model.config.model_type).read_text().splitlines())
     return ["```python", f"from transformers import {cls}, AutoTokenizer", "",
             f'model = {cls}.from_pretrained("{where}", trust_remote_code=True)',
-            f'tokenizer = AutoTokenizer.from_pretrained("{where}")', "```", "",
+            f'tokenizer = AutoTokenizer.from_pretrained("{where}", trust_remote_code=True)  # reads the config too',
+            "```", "",
             "Why `trust_remote_code=True`: this model's layers keep different numbers of attention heads (or "
             "heads the vanilla config cannot describe), so transformers needs the model code in "
             f"`{file}` ({lines} lines, next to the weights; it imports only transformers and torch). It "

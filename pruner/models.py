@@ -111,6 +111,11 @@ def _from_hub(load, name_or_path: str, what: str):
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    path = resolve(name_or_path)
+    if Path(path).exists() and _is_per_layer(path):  # AutoTokenizer would ask to run the folder's model code
+        from pruner import compact
+
+        return AutoTokenizer.from_pretrained(path, config=compact.load_config(path))
     return _from_hub(AutoTokenizer.from_pretrained, name_or_path, "tokenizer")
 
 
