@@ -82,7 +82,8 @@ def head_counts(model) -> tuple[list[int], list[int]]:
 def _counts_text(model) -> str:
     q, kv = head_counts(model)
     g = arch.geometry(model)
-    return ", ".join(f"layer {i}: {a}" + (f"/{b} kv" if g.group_size > 1 else "") for i, (a, b) in enumerate(zip(q, kv)))
+    gqa = g.group_size > 1
+    return ", ".join(f"layer {i}: {a}" + (f"/{b} kv" if gqa else "") for i, (a, b) in enumerate(zip(q, kv)))
 
 
 def _vanilla_updates(model) -> dict:
@@ -285,7 +286,8 @@ def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None
     with stored_as(model, store):
         if kind == "per-layer":
             per_layer_model(model).save_pretrained(folder)
-            shutil.copyfile(modeling.source(model.config.model_type), folder / modeling.file_name(model.config.model_type))
+            family = model.config.model_type
+            shutil.copyfile(modeling.source(family), folder / modeling.file_name(family))
         else:
             if kind == "vanilla" and removed_any(model):
                 for key, value in _vanilla_updates(model).items():  # Qwen2 gets an explicit head_dim here

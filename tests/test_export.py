@@ -145,7 +145,8 @@ def test_export_reloads_with_the_pruned_logits(runs, name, fmt, layout, capsys):
     layer = next(iter(run.heads))
     base = models.load_base(run.recipe.model)
     ad = surgery.arch.adapter_for(base)  # (a per-layer model has no single geometry: paths from the base's adapter)
-    o_new, o_old = (surgery.arch.get(surgery.arch.get(m.base_model, ad.layers)[layer], ad.o_proj) for m in (model, base))
+    o_new, o_old = (surgery.arch.get(surgery.arch.get(m.base_model, ad.layers)[layer], ad.o_proj)
+                    for m in (model, base))
     old_bias = o_old.bias if o_old.bias is not None else torch.zeros_like(o_new.bias)
     assert run.bias[layer].abs().max() > 0
     torch.testing.assert_close(o_new.bias, (old_bias + run.bias[layer]).half().float(), rtol=0, atol=0)
