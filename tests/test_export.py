@@ -312,3 +312,40 @@ def test_failed_push_keeps_the_local_export_and_says_what_to_do(runs, tmp_path, 
         assert text in err, text
     _, got = reloaded_logits(out, runs("minilm"))
     torch.testing.assert_close(got, reference_logits(runs("minilm")), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,sets,layout", [
+    ("qwen2", [], "per-layer"),                                   # the default plan: global budget, uneven
+    ("qwen2", ["selection.budget=layer", "selection.target=0.5", "surgery.compensation=zero"], "vanilla"),
+    ("gpt_neox", [], "per-layer")])
+def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, tmp_path, capsys):
+    """Random Qwen2 (its config has no head_dim, as on the Hub) and GPT-NeoX with the shipped tokenizer. Equal
+    counts without compensation are a vanilla Qwen2 (an explicit head_dim written); mean compensation's o_proj
+    bias, which no Qwen2 config declares, or uneven counts are per-layer."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    model = (tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common)) if family == "qwen2" else
+             tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common)))
+    base = tmp_path / family
+    model.save_pretrained(base)
+    assert "head_dim" not in json.loads((base / "config.json").read_text())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(models.resolve("gpt2-shakespeare")) / f, base / f)
+    (tmp_path / "recipe.yaml").write_text(f"model: {{path: {base}}}\nsinks: {{mode: first}}\n")
+    run_dir = tmp_path / "run"
+    assert main(["prune", str(tmp_path / "recipe.yaml"), "--out", str(run_dir), *QUICK,
+                 *(x for s in sets for x in ("--set", s))]) == 0
+    assert main(["export", str(run_dir), "--format", "compact"]) == 0
+    out = run_dir / "export-compact"
+    config = json.loads((out / "config.json").read_text())
+    assert ("pruner_format" in config) == (layout == "per-layer")
+    if layout == "vanilla":
+        assert (config["model_type"], config["head_dim"], config["num_attention_heads"]) == ("qwen2", 16, 2)
+    want, tokens = reference(run_dir, generate=True)
+    for loader in ("transformers", "pruner"):  # pruner.load reads vanilla checkpoints too
+        reloaded, got = reloaded_logits(out, run_dir, loader)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert torch.equal(greedy(reloaded, tokens[:, :-8]), tokens), loader
