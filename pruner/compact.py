@@ -112,7 +112,8 @@ def vanilla_reason(model) -> str | None:
     try:  # transformers validates configs on save (e.g. Llama's hidden_size % num_attention_heads)
         type(model.config).from_dict({**model.config.to_dict(), **_vanilla_updates(model)})
     except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
-        return f"transformers rejects a {kind} config with {q[0]} heads: {str(e).splitlines()[-1].strip().rstrip('.')}"
+        why = str(e.__cause__ or e).strip().splitlines()[-1].strip().rstrip(".")  # strict validation wraps the cause
+        return f"transformers rejects a {kind} config with {q[0]} heads: {why}"
     return None
 
 
