@@ -285,7 +285,7 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
     base_text = f"[`{base}`](https://huggingface.co/{base})" if base else \
         f"`{r.model.path}` (pruner's shipped checkpoint, not on the Hub)" if r.model.path in assets.CHECKPOINTS \
         else f"`{r.model.path}`"
-    conv = f", {m['convention']} convention" if m["convention"] else ""
+    conv = f", {report.convention_phrase(m)}" if m["convention"] else ""
     fmt_text = _format_text(fmt, model, saved)
     title_fmt = "compact, per-layer" if saved.layout == "per-layer" else fmt
     storage_text = (f"- stored in {saved.dtype}" + (" (the base checkpoint's own dtype)"
