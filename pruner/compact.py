@@ -201,14 +201,17 @@ def weight_files(path: str | Path) -> list[Path]:
     return [folder / "model.safetensors"] if (folder / "model.safetensors").exists() else []
 
 
-def storage_dtype(spec) -> str:
+def storage_dtype(spec) -> str | None:
     """The dtype the base checkpoint of a recipe's `model` section stores its weights in.
 
     Read from the safetensors headers (the shipped checkpoints say float32 in config.json
-    but hold float16 weights), else config.json's dtype, else float32. A Hub id is read
-    from the local cache when it is there.
+    but hold float16 weights), else config.json's dtype. A Hub id is read from the local
+    cache. None when no checkpoint can be found (a model built in memory): keep the model's.
     """
-    path = models.resolve("minilm" if spec.mlm_readout else spec.path)
+    try:
+        path = models.resolve("minilm" if spec.mlm_readout else spec.path)
+    except OSError:
+        return None
     folder = Path(path)
     if not folder.exists():
         try:
@@ -216,8 +219,8 @@ def storage_dtype(spec) -> str:
 
             cached = try_to_load_from_cache(path, "config.json")
             folder = Path(cached).parent if isinstance(cached, str) else folder
-        except Exception:  # noqa: BLE001 - no cache: fall back to float32
-            pass
+        except Exception:  # noqa: BLE001 - not an id the cache knows
+            return None
     counts = _safetensors_dtypes(weight_files(folder)) if folder.exists() else {}
     if counts:
         return max(counts, key=counts.get)
@@ -227,7 +230,7 @@ def storage_dtype(spec) -> str:
         declared = d.get("dtype") or d.get("torch_dtype")
         if declared in DTYPES:
             return declared
-    return "float32"
+    return None
 
 
 @contextmanager

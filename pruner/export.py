@@ -112,10 +112,17 @@ def check_exportable(model, fmt: str) -> None:
     compact.layout(model, removed=fmt == "compact")
 
 
-def storage_dtype(run: Run, dtype: str | None = None) -> str:
-    """The dtype an export stores: `dtype`, else the recipe's `export.dtype`, where `auto` = the base's own."""
-    want = dtype or run.recipe.export.dtype
-    return compact.storage_dtype(run.recipe.model) if want == "auto" else want
+def recipe_storage_dtype(recipe: Recipe, dtype: str | None = None) -> str | None:
+    """The dtype a checkpoint stores: `dtype`, else the recipe's `export.dtype`, where `auto` = the base
+    checkpoint's own (None -- the in-memory model's -- when no base checkpoint can be found, e.g. a model
+    pruned in memory)."""
+    want = dtype or recipe.export.dtype
+    return compact.storage_dtype(recipe.model) if want == "auto" else want
+
+
+def storage_dtype(run: Run, dtype: str | None = None) -> str | None:
+    """The dtype an export of `run` stores (see recipe_storage_dtype)."""
+    return recipe_storage_dtype(run.recipe, dtype)
 
 
 def save_checkpoint(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None) -> compact.Saved:
@@ -141,6 +148,7 @@ class Exported:
     dtype: str = "float32"           # storage dtype
     storage_diff: float = 0.0        # max |logit change| that storing in `dtype` itself makes
     why_per_layer: str | None = None
+    generation: bool | None = None   # greedy generation with the KV cache identical (None: not a causal LM)
 
 
 def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
@@ -155,7 +163,7 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
         model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
-                    saved.why_per_layer)
+                    saved.why_per_layer, saved.generation)
 
 
 def commit_message(run: Run, fmt: str) -> str:

@@ -176,6 +176,10 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
     config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
     cls = auto_class(config)
+    if Path(path).exists():  # an edited config.json (head counts) is one line here, not a reload failure
+        from pruner import compact
+
+        compact.check_weights(lambda: cls.from_config(config), Path(path))
     kw = {"device_map": device_map} if device_map else {}
     verbosity = hf_logging.get_verbosity()
     if overrides:  # a variant's new head is missing from its base checkpoint by design

@@ -349,3 +349,14 @@ def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, 
         reloaded, got = reloaded_logits(out, run_dir, loader)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         assert torch.equal(greedy(reloaded, tokens[:, :-8]), tokens), loader
+
+
+def test_prune_saves_its_model_in_the_base_checkpoints_dtype(runs):
+    """The quickstart's model/ used to be float32 (twice the shipped float16 original); now it is the base's
+    own dtype, dense in mask mode, the per-layer compact form in remove mode (llama-shakespeare's 6 of 8)."""
+    for name, layout in (("minilm", "dense"), ("llama-default", "per-layer")):
+        metrics = json.loads((runs(name) / "metrics.json").read_text())
+        assert (metrics["model_layout"], metrics["model_dtype"]) == (layout, "float16")
+        assert json.loads((runs(name) / "model" / "config.json").read_text())["dtype"] == "float16"
+        base = Path(models.resolve(export.load_run(runs(name)).recipe.model.path)) / "model.safetensors"
+        assert metrics["model_bytes"] <= base.stat().st_size
