@@ -33,6 +33,7 @@ the model card, not hidden inside a loose tolerance.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 from contextlib import contextmanager
@@ -168,7 +169,7 @@ def per_layer_model(model):
     buffers = dict(model.named_buffers())
     for name, _ in list(new.named_buffers()):  # non-persistent buffers (rotary frequencies) are not in state
         owner, _, leaf = name.rpartition(".")
-        (arch.get(new, owner) if owner else new)._buffers[leaf] = buffers[name]
+        setattr(arch.get(new, owner) if owner else new, leaf, buffers[name])
     if getattr(model, "generation_config", None) is not None:
         new.generation_config = model.generation_config
     return new.eval()
@@ -177,18 +178,23 @@ def per_layer_model(model):
 # --- storage dtype ---------------------------------------------------------------------------
 
 
-def _safetensors_dtypes(files: list[Path]) -> dict[str, int]:
-    """Element count per floating dtype over the tensors of safetensors files (headers only)."""
-    counts: dict[str, int] = {}
+def _headers(files: list[Path]) -> dict[str, dict]:
+    """Tensor name -> {"dtype", "shape", ...} from safetensors headers (no tensor is read)."""
+    out = {}
     for f in files:
         with open(f, "rb") as fh:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for key, t in header.items():
-            if key != "__metadata__" and t["dtype"] in _SAFETENSORS_DTYPES:
-                n = 1
-                for s in t["shape"]:
-                    n *= s
-                counts[_SAFETENSORS_DTYPES[t["dtype"]]] = counts.get(_SAFETENSORS_DTYPES[t["dtype"]], 0) + n
+        out.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def _safetensors_dtypes(files: list[Path]) -> dict[str, int]:
+    """Element count per floating dtype over the tensors of safetensors files."""
+    counts: dict[str, int] = {}
+    for t in _headers(files).values():
+        if t["dtype"] in _SAFETENSORS_DTYPES:
+            name = _SAFETENSORS_DTYPES[t["dtype"]]
+            counts[name] = counts.get(name, 0) + math.prod(t["shape"])
     return counts
 
 
@@ -384,15 +390,6 @@ def is_per_layer(config: dict) -> bool:
     return modeling.FORMAT_KEY in config
 
 
-def _header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    shapes = {}
-    for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
 def check_weights(build, folder: Path) -> None:
     """Refuse, in one line, a config whose head counts do not match the weights (an edited config.json).
 
@@ -408,7 +405,7 @@ def check_weights(build, folder: Path) -> None:
     except Exception:  # noqa: BLE001 - a config the meta build cannot take: the load itself will say what is wrong
         return
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    stored = _header_shapes(files)
+    stored = {k: tuple(v["shape"]) for k, v in _headers(files).items()}
     prefix = f"{model.base_model_prefix}."
     for key, shape in stored.items():
         want = expected.get(key, expected.get(key.removeprefix(prefix)))
