@@ -166,13 +166,9 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     from transformers.utils import logging as hf_logging
 
     path = resolve(name_or_path)
-    if Path(path).exists() and _is_per_layer(path):  # pruner's own per-layer checkpoint: its packaged classes
-        from pruner import compact
-
-        model = compact.load(path, dtype=dtype, attn_implementation=attn_implementation,
-                             **({"device_map": device_map} if device_map else {}))
-        check_finite(model, name_or_path)
-        return model if device_map else model.to(device)
+    if Path(path).exists() and _is_per_layer(path):
+        return load_pruner_format(path, dtype=dtype, device=device, device_map=device_map,
+                                  attn_implementation=attn_implementation)
     overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
     config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
     cls = auto_class(config)
@@ -192,6 +188,18 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     finally:
         hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
+    return (model if device_map else model.to(device)).eval()
+
+
+def load_pruner_format(path: str, dtype: str = "float32", device: str = "cpu", device_map: str | None = None,
+                       attn_implementation: str = "sdpa"):
+    """One of pruner's own per-layer checkpoints (`pruner_format` in config.json), built with pruner's packaged
+    modeling classes (pruner.compact / pruner.modeling), never the modeling file in the folder."""
+    from pruner import compact
+
+    model = compact.load(path, dtype=dtype, attn_implementation=attn_implementation,
+                         **({"device_map": device_map} if device_map else {}))
+    check_finite(model, path)
     return (model if device_map else model.to(device)).eval()
 
 
