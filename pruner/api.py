@@ -315,7 +315,9 @@ class Analysis:
 def _model_and_tokenizer(model, tokenizer):
     """(model object, tokenizer, name) from an object or a name/path."""
     if isinstance(model, (str, Path)):
-        return models.load_model(str(model)), tokenizer or models.load_tokenizer(str(model)), str(model)
+        loaded = models.load_model(str(model))
+        arch.adapter_for(loaded)  # e.g. a per-layer checkpoint: no single head count to measure
+        return loaded, tokenizer or models.load_tokenizer(str(model)), str(model)
     arch.adapter_for(model)
     if tokenizer is None:
         raise ValueError("pass the tokenizer with a model object")
@@ -465,13 +467,21 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
 
 
 def load(path):
-    """A model pruner wrote (a run's model/, an export) or any supported checkpoint, in eval mode."""
+    """A model pruner wrote (a run's model/, an export) or any supported checkpoint, in eval mode.
+
+    Per-layer compact checkpoints are built with pruner's own packaged modeling classes (pruner/modeling),
+    never by running the modeling file in the folder; a config.json whose head counts do not fit the
+    weights is refused in one line."""
     return models.load_model(str(path))
 
 
 def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
-               private: bool = False):
-    """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub."""
+               private: bool = False, dtype: str | None = None):
+    """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub.
+
+    `compact` is the vanilla form where the family's config can describe the pruned model, else the per-layer
+    form (`trust_remote_code=True`, or `pruner.load`). `dtype` (auto|float32|float16|bfloat16) overrides the
+    recipe's `export.dtype`; auto stores the base checkpoint's own dtype."""
     if private and not push_to_hub:
         raise ValueError("private applies only with push_to_hub")
     run_dir = Path(run_dir)
@@ -481,7 +491,7 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
     if export.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
-    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private)
+    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private, dtype=dtype)
 
 
 __all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
