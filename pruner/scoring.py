@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from pruner import composition as cp
+from pruner.refit import System
 from pruner.stats import HeadStats
 
 Tensor = torch.Tensor
@@ -31,6 +32,7 @@ class ScoringInputs:
     gradient: Tensor | None = None  # Michel importance, when computed
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
+    systems: list[System] | None = None  # per layer: refit.system, for the refit-aware scorer
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,43 @@ def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor
     return marginal * (1 - inputs.stats.sink_mass) / residual.to(k.dtype)[:, None]
 
 
+def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
+    """Marginal refit cost of pruning each alive head next: E_l(P_l + h) - E_l(P_l). (layer, head)
+
+    E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
+    heads already pruned; pruned heads get 0.
+    """
+    if inputs.systems is None:
+        raise ValueError("the refit-aware scorer needs the refit systems (pruner.calibrate computes them)")
+    L, H = alive.shape
+    out = torch.zeros(L, H, dtype=torch.float64)
+    for layer, sys in enumerate(inputs.systems):
+        d = sys.gram.shape[0] // H
+        pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
+        base = sys.unexplained(pruned)
+        for h in alive[layer].nonzero().flatten().tolist():
+            with_h = pruned.clone()
+            with_h[h * d:(h + 1) * d] = True
+            out[layer, h] = sys.unexplained(with_h) - base
+    return out
+
+
+def _refit_energy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """What refit compensation cannot recover if the head goes next, relative to the residual stream.
+
+    Importance of head h in layer l, given the heads P already pruned there:
+    (E_l(P + h) - E_l(P)) / R_l, with E_l(P) = tr(W_P (S_PP - S_PK (S_KK + lam I)^-1 S_KP) W_P^T)
+    the energy the kept heads' refitted columns cannot rebuild (DESIGN section 8.1).
+    A head is cheap exactly when the other heads of its layer -- their sink channels
+    included, which write a near-constant vector -- reconstruct its output: literal
+    redundancy, and dormant near-constant heads. Greedy and re-scored after every
+    removal, since what the kept heads can rebuild depends on which are kept.
+    R_l is the sink-aware scorer's residual normalisation (a common cross-layer scale).
+    """
+    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(alive.shape[0])
+    return refit_costs(inputs, alive) / residual.double()[:, None]
+
+
 def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     """Full-row entropy (bertology style): the lowest-entropy heads go first."""
     return inputs.stats.entropy_full
@@ -171,6 +210,9 @@ def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
+               "relative to the residual stream"),
+    Scorer("refit-energy", _refit_energy, adaptive=True,
+           doc="what refit compensation cannot rebuild if the head goes next (Schur-complement energy), "
                "relative to the residual stream"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
            doc="greedy redundancy on full rows (sink included): the naive baseline"),
