@@ -127,14 +127,19 @@ def compensate(model, heads: HeadSet, outputs: list[OutputMoments], kind: str, r
                         {k: v.to(dtype) for k, v in weight.items()}, fits)
 
 
-def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, ridge: float) -> refit.Fit:
-    """`refit.fit_layer` for pruning `heads` of `layer`: the projection of the unpruned model, its moments."""
+def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, ridge: float,
+                intercept: bool | None = None) -> refit.Fit:
+    """`refit.fit_layer` for pruning `heads` of `layer`: the projection of the unpruned model, its moments.
+
+    `intercept` defaults to whether the projection has a bias (forcing it on where there is
+    none would need a bias the config may not hold; studies compare the two on biased models).
+    """
     g = arch.geometry(model)
     if len(kept_heads(model)[layer]) != g.n_heads:
         raise SurgeryError(f"layer {layer}: refit compensation is computed on the unpruned model")
     w = arch.o_weight_cols(model, layer).detach().double().cpu()  # (d_model, D)
     refit.check_tokens(int(moments.tokens), w.shape[1], layer)
-    intercept = has_bias(model, layer)
+    intercept = has_bias(model, layer) if intercept is None else intercept
     mu, s = refit.second_moment(moments.o, moments.joint, moments.tokens, intercept)
     pruned = torch.zeros(w.shape[1], dtype=torch.bool)
     pruned[_slots(heads, g.head_dim)] = True
