@@ -28,7 +28,7 @@ def main() -> None:
     from pruner.calibrate import calibrate
     from pruner.capture import CaptureConfig, capture_stats
     from pruner.data import pad
-    from pruner.evaluate import EvalWindows, window_nll
+    from pruner.perplexity import EvalWindows, window_nll
     from pruner.scoring import get_scorer
     from pruner.selection import SelectionConfig, select
     from pruner.sinks import SinkSpec
