@@ -129,7 +129,8 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
     buf = io.StringIO()
     keys = ["scorer", "sparsity", "budget", "gqa", "compensation", "pruned_heads", "base", "pruned", "delta",
             "ci_low", "ci_high",
-            "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
+            "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else []) \
+        + (["unexplained", "unexplained_relative"] if any("unexplained" in r for r in records) else [])
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
     w.writerows(r for r in records if "error" not in r)
@@ -207,7 +208,7 @@ def plot_refit(metrics: dict, path: Path) -> bool:
     rel = all(fit["layers"][k].get("residual") for k in layers)
     scale = [fit["layers"][k]["residual"] if rel else 1.0 for k in layers]
     x = range(len(layers))
-    fig, ax = plt.subplots(figsize=(1.0 + 0.6 * len(layers), 3.6))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.5 * len(layers)), 3.6))
     ax.bar([i - 0.2 for i in x], [fit["layers"][k]["pruned"] / s for k, s in zip(layers, scale)], 0.4,
            label="pruned heads' energy")
     ax.bar([i + 0.2 for i in x], [fit["layers"][k]["unexplained"] / s for k, s in zip(layers, scale)], 0.4,
@@ -217,7 +218,7 @@ def plot_refit(metrics: dict, path: Path) -> bool:
     ax.set_ylabel("energy / R_l" if rel else "energy per token")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    ax.set_title("refit compensation: what the kept heads could not rebuild")
+    ax.set_title("refit compensation: what the kept heads could not rebuild", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
