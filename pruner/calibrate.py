@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, distributed, refit
+from pruner import arch, distributed
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
 from pruner.models import attends_causally, forward, mask_tokens
@@ -105,17 +105,6 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
-def refit_systems(model, outputs, grams: torch.Tensor, ridge: float) -> list[refit.System]:
-    """Per layer, the refit system the refit-aware scorer evaluates (an intercept where the
-    output projection has a bias, as refit compensation fits it)."""
-    out = []
-    for layer, (m, gram) in enumerate(zip(outputs, grams)):
-        intercept = arch.o_bias(model, layer) is not None
-        mu, s = refit.second_moment(m.o, m.joint, m.tokens, intercept)
-        out.append(refit.system(gram, mu if intercept else None, s, ridge, layer))
-    return out
-
-
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
               batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3) -> ScoringInputs:
@@ -139,6 +128,7 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn)
     grams = layer_grams(model)
+    intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
                          gradient=grad, seed=seed, cross=cross_energy(stats.outputs, grams),
-                         systems=refit_systems(model, stats.outputs, grams, ridge))
+                         layer_gram=grams, intercept=intercept, ridge=ridge)

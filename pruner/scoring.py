@@ -10,13 +10,13 @@ comparison runs through one code path.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from pruner import composition as cp
-from pruner.refit import System
+from pruner import refit
 from pruner.stats import HeadStats
 
 Tensor = torch.Tensor
@@ -32,7 +32,21 @@ class ScoringInputs:
     gradient: Tensor | None = None  # Michel importance, when computed
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
-    systems: list[System] | None = None  # per layer: refit.system, for the refit-aware scorer
+    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of each whole projection
+    intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
+    ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
+    _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
+
+    def refit_systems(self) -> list[refit.System]:
+        """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
+        Cholesky factor and inverse per layer, which scorers that do not need it never pay for)."""
+        if self.layer_gram is None:
+            raise ValueError("the refit-aware scorer needs the layers' W_O^T W_O (pruner.calibrate computes it)")
+        if not self._systems:
+            for layer, (m, gram, icpt) in enumerate(zip(self.stats.outputs, self.layer_gram, self.intercept)):
+                mu, s = refit.second_moment(m.o, m.joint, m.tokens, icpt)
+                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, layer))
+        return self._systems
 
 
 @dataclass(frozen=True)
@@ -157,11 +171,9 @@ def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
     E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
     heads already pruned; pruned heads get 0.
     """
-    if inputs.systems is None:
-        raise ValueError("the refit-aware scorer needs the refit systems (pruner.calibrate computes them)")
     L, H = alive.shape
     out = torch.zeros(L, H, dtype=torch.float64)
-    for layer, sys in enumerate(inputs.systems):
+    for layer, sys in enumerate(inputs.refit_systems()):
         d = sys.gram.shape[0] // H
         pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
         base = sys.unexplained(pruned)

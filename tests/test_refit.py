@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pruner import arch, export, refit, surgery
-from pruner.calibrate import layer_grams, refit_systems
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import pad
 from pruner.models import forward
@@ -342,5 +341,4 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     first = plan.entries[0]
     assert (first.layer, first.head) in ((1, 0), (1, 3))
     assert (plan.entries[1].layer, plan.entries[1].head) not in ((1, 0), (1, 3))  # never both twins
-    systems = refit_systems(model, inputs.stats.outputs, layer_grams(model), 1e-8)
-    assert len(systems) == 2
+    assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-8
