@@ -154,7 +154,7 @@ def check_exportable(model, fmt: str) -> None:
         return
     if getattr(model, "_pruner_bias_not_in_config", False):
         raise ExportError(f"cannot export this model in any format: {reason}; re-run `pruner prune` with "
-                          "`--set surgery.compensation=zero` to export it without compensation")
+                          "`--set surgery.compensation=refit` (plain weights, no bias needed) or `zero`")
     hint = (" (a compact one needs `selection.budget: layer` and a head count the config accepts)"
             if getattr(model.config, "head_dim", None) is not None else "")
     raise ExportError(f"cannot write a compact checkpoint: {reason}. Use the dense form instead "

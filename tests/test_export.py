@@ -217,8 +217,43 @@ def test_mean_compensation_is_refused_where_the_config_cannot_hold_the_bias(tmp_
     for fmt in export.FORMATS:
         assert main(["export", str(run_dir), "--format", fmt]) == 2
         err = capsys.readouterr().err
-        assert "mistral config cannot declare" in err and "surgery.compensation=zero" in err
+        assert "mistral config cannot declare" in err and "surgery.compensation=refit" in err
         assert not (run_dir / f"export-{fmt}").exists()
+
+
+def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
+    """Mistral: the refitted weights need no bias, so both formats export and reload with the pruned logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pruner.capture import CaptureConfig, capture_stats
+    from pruner.data import pad
+    from pruner.sinks import SinkSpec
+    from tiny import ragged_batch
+
+    base = tmp_path / "mistral"
+    model = tiny_model("mistral")
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(models.resolve("llama-shakespeare")).save_pretrained(base)
+    heads = {0: [0, 1], 1: [2, 3]}  # one whole KV group per layer: 2 query heads over 1 KV head everywhere
+    batch = pad(ragged_batch(seed=3, n=10), 0)
+    outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
+    comp = surgery.compensate(model, heads, outputs, "refit")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
+    (run_dir / "plan.json").write_text(json.dumps({"heads": {str(k): v for k, v in heads.items()}, "entries": []}))
+    (run_dir / "metrics.json").write_text(json.dumps({"compensation": "refit"}))
+    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
+    ids = batch.input_ids[:2]
+    with surgery.masked(model, heads, comp), torch.no_grad():
+        want = model(ids).logits
+    for fmt in export.FORMATS:  # rebuilt from the run folder alone, saved, reload-checked
+        rebuilt, tok = export.rebuild(export.load_run(run_dir), fmt)
+        assert export.save_checkpoint(rebuilt, tok, tmp_path / fmt, removed=fmt == "compact") <= export.ATOL
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32).eval()
+        assert reloaded.config.model_type == "mistral" and reloaded.model.layers[0].self_attn.o_proj.bias is None
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=1e-5)
 
 
 def test_a_checkpoint_that_reloads_differently_is_refused(tmp_path, word_tokenizer):
