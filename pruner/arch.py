@@ -137,6 +137,11 @@ def o_weight_cols(model, layer: int) -> torch.Tensor:
     return w.t() if ad.conv1d else w
 
 
+def o_bias(model, layer: int) -> torch.Tensor | None:
+    """The output projection's bias (d_model,), or None where it has none."""
+    return get(blocks(model)[layer], adapter_for(model).o_proj).bias
+
+
 def qkv_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v projection weights as (rows, d_model): q (heads*d_head), k and v (kv_heads*d_head)."""
     ad, g = adapter_for(model), geometry(model)

@@ -123,8 +123,11 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
 
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
-              batch_size: int = 8, seed: int = 0, progress: bool = False) -> ScoringInputs:
-    """Everything the scorers need, from one capture pass (and one gradient pass if asked)."""
+              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3) -> ScoringInputs:
+    """Everything the scorers need, from one capture pass (and one gradient pass if asked).
+
+    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
+    """
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
     stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
@@ -141,6 +144,8 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn)
     grams = layer_grams(model)
+    intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
-                         cross=cross_energy(stats.outputs, grams))
+                         cross=cross_energy(stats.outputs, grams),
+                         layer_gram=grams, intercept=intercept, ridge=ridge)

@@ -125,7 +125,8 @@ def layout(model, removed: bool) -> tuple[str, str | None]:
             raise CheckpointError(
                 f"cannot write a dense checkpoint: {vanilla_reason(model)}. Export the compact form instead "
                 "(`--format compact`: it declares that bias and loads with trust_remote_code=True or "
-                "pruner.load), or re-run `pruner prune` with `--set surgery.compensation=zero`")
+                "pruner.load), or re-run `pruner prune` with `--set surgery.compensation=refit` (plain weights, "
+                "no bias) or `zero`")
         return "dense", None
     reason = vanilla_reason(model)
     return ("vanilla", None) if reason is None else ("per-layer", reason)

@@ -1,8 +1,9 @@
 """Export: a pruning run as a shareable checkpoint (dense or compact), its model card, and the push.
 
 The pruned model is rebuilt from the run folder alone -- the base model that
-`recipe.yaml` names, the heads of `plan.json`, the folded biases of
-`compensation.safetensors` -- with the surgery functions `prune` itself uses, so
+`recipe.yaml` names, the heads of `plan.json`, the compensation of
+`compensation.safetensors` (folded biases `layer.<i>`, refitted weight deltas
+`layer.<i>.weight`) -- with the surgery functions `prune` itself uses, so
 either format is exact whatever surgery the run chose:
 
 - `dense`   -- `surgery.mask_heads`: the pruned heads' output-projection columns
@@ -14,13 +15,14 @@ either format is exact whatever surgery the run chose:
                `pruner.load`).
 
 `mean` compensation is carried into both (the output-projection bias; Llama's
-`attention_bias`; the per-layer form declares it where the config cannot).
-Checkpoints are stored in the base checkpoint's own dtype unless the recipe's
-`export.dtype` says otherwise. Nothing is published that does not load: the
-checkpoint is reloaded by every route a user has and its logits (atol 1e-5) and
-greedy generations compared with the in-memory model before the temporary
-folder is renamed into place. The reload holds a second copy of the model in
-memory for that moment.
+`attention_bias`; the per-layer form declares it where the config cannot);
+`refit` compensation too, as plain weights (and the bias where the projection
+has one), so it needs no config change anywhere. Checkpoints are stored in the
+base checkpoint's own dtype unless the recipe's `export.dtype` says otherwise.
+Nothing is published that does not load: the checkpoint is reloaded by every
+route a user has and its logits (atol 1e-5) and greedy generations compared with
+the in-memory model before the temporary folder is renamed into place. The
+reload holds a second copy of the model in memory for that moment.
 """
 
 from __future__ import annotations
@@ -51,18 +53,30 @@ class PushError(OSError):
     """The push failed; the local export is intact."""
 
 
-def save_compensation(bias: dict[int, torch.Tensor] | None, path: Path) -> None:
-    """The folded mean-compensation biases, {layer: (d_model,)}, as `layer.<i>` tensors (nothing for `zero`)."""
+def save_compensation(comp: "surgery.Compensation | dict | None", path: Path) -> None:
+    """A compensation as `layer.<i>` biases (d_model,) and `layer.<i>.weight` deltas (d_model, heads * d_head),
+    original head numbering (nothing is written for `zero`)."""
     from safetensors.torch import save_file
 
-    if bias:
-        save_file({f"layer.{k}": v.detach().cpu().contiguous() for k, v in bias.items()}, str(path))
+    comp = surgery.as_compensation(comp)
+    tensors = {f"layer.{k}": v for k, v in comp.bias.items()} | {f"layer.{k}.weight": v for k, v in comp.weight.items()}
+    if tensors:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
+                  metadata={"kind": comp.kind})
 
 
-def load_compensation(path: Path) -> dict[int, torch.Tensor]:
+def load_compensation(path: Path, kind: str = "mean") -> "surgery.Compensation":
+    """Read `save_compensation`'s file (files written before refit hold biases only)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    return {int(k.split(".")[1]): v for k, v in load_file(str(path)).items()}
+    with safe_open(str(path), "pt") as f:
+        kind = (f.metadata() or {}).get("kind", kind)
+    bias, weight = {}, {}
+    for key, v in load_file(str(path)).items():
+        parts = key.split(".")
+        (weight if parts[-1] == "weight" else bias)[int(parts[1])] = v
+    return surgery.Compensation(kind, bias, weight)
 
 
 @dataclass(frozen=True)
@@ -73,11 +87,16 @@ class Run:
     recipe: Recipe
     plan: dict                                # plan.json
     metrics: dict                             # metrics.json
-    bias: dict[int, torch.Tensor] | None      # compensation.safetensors (None for `zero`)
+    compensation: surgery.Compensation        # compensation.safetensors (empty for `zero`)
 
     @property
     def heads(self) -> dict[int, list[int]]:
         return {int(k): v for k, v in self.plan["heads"].items()}
+
+    @property
+    def bias(self) -> dict[int, torch.Tensor] | None:
+        """The folded biases alone (what runs held before refit compensation)."""
+        return self.compensation.bias or None
 
 
 def load_run(folder: Path) -> Run:
@@ -87,23 +106,24 @@ def load_run(folder: Path) -> Run:
         raise FileNotFoundError(f"{folder} is not a pruner run folder (no {', '.join(missing)}); "
                                 "make one with `pruner prune RECIPE --out DIR`")
     metrics = json.loads((folder / "metrics.json").read_text())
-    bias = None
-    if metrics["compensation"] == "mean":
+    comp = surgery.Compensation()
+    kind = metrics["compensation"]
+    if kind != "zero":
         if not (folder / COMPENSATION_FILE).exists():
-            raise FileNotFoundError(f"{folder} has mean compensation but no {COMPENSATION_FILE} (written by "
+            raise FileNotFoundError(f"{folder} has {kind} compensation but no {COMPENSATION_FILE} (written by "
                                     "`pruner prune` since export exists); re-run `pruner prune` on its recipe.yaml")
-        bias = load_compensation(folder / COMPENSATION_FILE)
+        comp = load_compensation(folder / COMPENSATION_FILE, kind)
     return Run(folder, load_recipe(folder / "recipe.yaml"), json.loads((folder / "plan.json").read_text()),
-               metrics, bias)
+               metrics, comp)
 
 
 def rebuild(run: Run, fmt: str):
-    """The pruned model in `fmt` (and its tokenizer): base + plan heads + folded biases."""
+    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
     model = models.load_base(run.recipe.model)
     tokenizer = models.load_tokenizer(run.recipe.model.path)
-    (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, run.heads, run.bias)
+    (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, run.heads, run.compensation)
     return model, tokenizer
 
 
@@ -300,11 +320,16 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
                                                     if r.export.dtype == "auto" else "")
                     + (f"; rounding to {saved.dtype} moves the logits by at most {saved.storage_diff:.1e} from "
                        "the model pruner evaluated" if saved.storage_diff > 0 else ""))
-    comp_text = ("`mean`: each pruned head's mean output over the calibration tokens is folded into the "
-                 "output-projection bias (kept in this checkpoint"
-                 + (", through `attention_bias: true`, which adds zero q/k/v biases" if
-                    getattr(model.config, "attention_bias", False) else "") + ")"
-                 if m["compensation"] == "mean" else "`zero`: pruned heads are simply removed")
+    comp_text = {
+        "mean": "`mean`: each pruned head's mean output over the calibration tokens is folded into the "
+                "output-projection bias (kept in this checkpoint"
+                + (", through `attention_bias: true`, which adds zero q/k/v biases" if
+                   getattr(model.config, "attention_bias", False) else "") + ")",
+        "refit": "`refit`: the kept heads' output-projection columns were refitted by ridge least squares on the "
+                 "calibration tokens to rebuild what the pruned heads wrote"
+                 + (" (the constant into the existing bias)" if run.compensation.bias else
+                    " (no bias: plain weights, the architecture unchanged)"),
+    }.get(m["compensation"], "`zero`: pruned heads are simply removed")
     g = arch.geometry(model)
     per_layer = ", ".join(f"{k}: {v}" for k, v in run.plan["heads"].items())
     cal = r.calibration
@@ -327,6 +352,9 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
     sens = report.sensitivity_text(m)
     if sens:
         lines += [sens, ""]
+    refit_text = report.refit_text(m)
+    if refit_text:
+        lines += [refit_text, ""]
     e = r.evaluation
     lines += [
         "## Results", "",

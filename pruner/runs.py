@@ -5,7 +5,9 @@
     RUN/metrics.json                 perplexity change, parameters, latency, convention sensitivity
     RUN/recipe.yaml                  the resolved recipe
     RUN/report.md                    the same for a person
-    RUN/compensation.safetensors     the folded mean-compensation biases (not with `zero`)
+    RUN/compensation.safetensors     the compensation: folded biases `layer.<i>`, refitted weight deltas
+                                     `layer.<i>.weight` (not with `zero`)
+    RUN/refit.png                    with `refit`: per layer, the pruned heads' energy and what the refit left
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def save_run(result, folder: Path) -> None:
     from pruner.pipeline import to_jsonable
 
     save_model(result, folder / "model")
-    export.save_compensation(result.bias, folder / export.COMPENSATION_FILE)
+    export.save_compensation(result.compensation, folder / export.COMPENSATION_FILE)
     plan_json = result.plan.to_json()
     (folder / "plan.json").write_text(plan_json + "\n")
     (folder / "metrics.json").write_text(json.dumps(to_jsonable(result.metrics), indent=1) + "\n")
     (folder / "recipe.yaml").write_text(result.recipe.to_yaml())
-    (folder / "report.md").write_text(report.run_report(result.metrics, plan_json))
+    figure = "refit.png" if report.plot_refit(result.metrics, folder / "refit.png") else None
+    (folder / "report.md").write_text(report.run_report(result.metrics, plan_json, figure))

@@ -1,4 +1,4 @@
-"""Several processes give the statistics, gradients, NLLs and plans of one process.
+"""Several processes give the statistics, gradients, NLLs, plans and refit compensation of one process.
 
 Each test launches `torchrun --standalone --nproc_per_node 2` (gloo on CPU, no
 network) and compares with the same computation in one process. Samples are
@@ -60,6 +60,9 @@ def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
         torch.testing.assert_close(b["cross"], a["cross"], rtol=1e-12, atol=_second_moment_tol(a["cross"]))
         assert torch.equal(a["count"], b["count"])
         assert a["plans"] == b["plans"], family
+        assert a["refit"].keys() == b["refit"].keys() and any("weight" in k for k in a["refit"])
+        for key in a["refit"]:  # float32 weights from float64 sums that agree to ~1e-15
+            torch.testing.assert_close(b["refit"][key], a["refit"][key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):

@@ -54,12 +54,15 @@ def runs(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in made:
             out = base / name
+            refit = ["--set", "surgery.compensation=refit"]
             extra = {"gpt2": ["--set", "export.format=dense", "--set", "export.push_to_hub=me/gpt2-pruned"],
                      "llama": ["--set", "selection.target=0.5"],  # 4 of 8 heads per layer: 256 / 4 divides
                      "llama-default": [],  # 6 of 8 heads per layer: Llama's config refuses 256 / 6
-                     "minilm": []}[name]
+                     "minilm": [],
+                     "llama-refit": ["--set", "selection.target=0.5", "--set", "export.format=compact"] + refit,
+                     "minilm-refit": refit + ["--set", "calibration.num_samples=8"]}[name]  # >= 384 tokens
             recipe = {"gpt2": "gpt2-shakespeare", "llama": "llama-shakespeare", "llama-default": "llama-shakespeare",
-                      "minilm": "quickstart"}[name]
+                      "minilm": "quickstart", "llama-refit": "llama-shakespeare", "minilm-refit": "quickstart"}[name]
             hub = FakeHub()
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(export, "hub_client", lambda: hub)
@@ -73,19 +76,17 @@ def runs(tmp_path_factory):
 
 
 def reference(run_dir: Path, generate: bool = False):
-    """The pruned model in memory by another code path: base + scoped mask + folded bias, the bias rounded to
-    the export's storage dtype (the shipped bases are float16 already). Logits (1, T, vocab) [, greedy tokens]."""
+    """The pruned model in memory by another code path: base + permanent mask + compensation, every
+    parameter rounded to the export's storage dtype as the checkpoint stores it (the shipped bases are
+    float16 already, so only the compensated output projections change). Logits (1, T, vocab) [, greedy tokens]."""
     run = export.load_run(run_dir)
     model = models.load_base(run.recipe.model)
     ids = models.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
     store = getattr(torch, export.storage_dtype(run))
-    bias = None
-    if run.bias:  # the checkpoint stores the rounded sum: o-proj bias = store(base bias + delta)
-        ad = surgery.arch.adapter_for(model)
-        old = {k: surgery.arch.get(surgery.arch.blocks(model)[k], ad.o_proj).bias for k in run.bias}
-        bias = {k: (v + (0 if old[k] is None else old[k])).to(store).float() - (0 if old[k] is None else old[k])
-                for k, v in run.bias.items()}
-    with surgery.masked(model, run.heads, bias), torch.no_grad():
+    surgery.mask_heads(model, run.heads, run.compensation)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(store).float())
         logits = models.forward(model, ids, torch.ones_like(ids)).logits
         return (logits, greedy(model, ids)) if generate else logits
 
@@ -163,6 +164,33 @@ def test_export_reloads_with_the_pruned_logits(runs, name, fmt, layout, capsys):
         assert (out / "model.safetensors").stat().st_size < base_bytes  # smaller than the model it came from
     else:
         assert n_params >= sum(p.numel() for p in base.parameters())  # shapes kept (+ Llama's added biases)
+
+
+@pytest.mark.parametrize("name,fmt", [("llama-refit", "compact"), ("llama-refit", "dense"), ("minilm-refit", "dense")])
+def test_refit_export_reloads_with_vanilla_transformers_and_no_config_change(runs, name, fmt, capsys):
+    """Refit compensation is plain weights: Llama exports without attention_bias (no o-proj bias at all),
+    BERT keeps its own bias (+ the intercept); both reload with the pruned logits."""
+    run_dir = runs(name)
+    out = run_dir / f"export-{fmt}"
+    if not out.exists():  # the Llama compact one came from its recipe's export section
+        assert main(["export", str(run_dir), "--format", fmt]) == 0
+    model, got = reloaded_logits(out, run_dir)
+    torch.testing.assert_close(got, reference_logits(run_dir), rtol=0, atol=1e-5)
+    run = export.load_run(run_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert run.compensation.kind == metrics["compensation"] == "refit" and set(run.compensation.weight) == \
+        set(run.heads) == {int(k) for k in metrics["refit"]["layers"]}
+    fit = metrics["refit"]["layers"][str(next(iter(run.heads)))]
+    assert 0 <= fit["unexplained"] < fit["pruned"] and fit["relative"] == pytest.approx(fit["unexplained"] /
+                                                                                           fit["residual"])
+    assert "Refit compensation" in (run_dir / "report.md").read_text() and (run_dir / "refit.png").exists()
+    assert "`refit`: the kept heads' output-projection columns" in (out / "README.md").read_text()
+    if name.startswith("llama"):
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["attention_bias"] is False and not run.compensation.bias
+        assert all(b.self_attn.o_proj.bias is None for b in model.model.layers)
+    else:
+        assert set(run.compensation.bias) == set(run.heads)
 
 
 def test_recipe_export_section_pushes_through_the_client(runs):
@@ -243,11 +271,46 @@ def test_a_bias_the_config_cannot_declare_exports_compact_only(runs, tmp_path, c
     assert main(["export", str(run_dir), "--format", "dense"]) == 2
     err = capsys.readouterr().err
     assert "cannot write a dense checkpoint" in err and "mistral config cannot declare" in err
-    assert "--format compact" in err and "surgery.compensation=zero" in err
+    assert "--format compact" in err and "surgery.compensation=refit" in err
     assert not (run_dir / "export-dense").exists()
     assert main(["export", str(run_dir), "--format", "compact"]) == 0
     config = json.loads((run_dir / "export-compact" / "config.json").read_text())
     assert config["o_proj_bias_per_layer"] == [True, False] and config["dtype"] == "float32"  # tiny: float32
+
+
+def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
+    """Mistral: the refitted weights need no bias, so both formats export and reload with the pruned logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pruner.capture import CaptureConfig, capture_stats
+    from pruner.data import pad
+    from pruner.sinks import SinkSpec
+    from tiny import ragged_batch
+
+    base = tmp_path / "mistral"
+    model = tiny_model("mistral")
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(models.resolve("llama-shakespeare")).save_pretrained(base)
+    heads = {0: [0, 1], 1: [2, 3]}  # one whole KV group per layer: 2 query heads over 1 KV head everywhere
+    batch = pad(ragged_batch(seed=3, n=10), 0)
+    outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
+    comp = surgery.compensate(model, heads, outputs, "refit")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
+    (run_dir / "plan.json").write_text(json.dumps({"heads": {str(k): v for k, v in heads.items()}, "entries": []}))
+    (run_dir / "metrics.json").write_text(json.dumps({"compensation": "refit"}))
+    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
+    ids = batch.input_ids[:2]
+    with surgery.masked(model, heads, comp), torch.no_grad():
+        want = model(ids).logits
+    for fmt in export.FORMATS:  # rebuilt from the run folder alone, saved, reload-checked
+        rebuilt, tok = export.rebuild(export.load_run(run_dir), fmt)
+        assert export.save_checkpoint(rebuilt, tok, tmp_path / fmt, removed=fmt == "compact").max_diff <= export.ATOL
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32).eval()
+        assert reloaded.config.model_type == "mistral" and reloaded.model.layers[0].self_attn.o_proj.bias is None
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=1e-5)
 
 
 def test_a_checkpoint_that_reloads_differently_is_refused(tmp_path, word_tokenizer):
