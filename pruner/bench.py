@@ -74,6 +74,12 @@ class BenchConfig:
             raise ValueError("bench: new_tokens must be >= 2 (one step is timed against the next) and repeats >= 1")
 
 
+def config_of(spec) -> BenchConfig:
+    """The BenchConfig of a recipe's `bench` section."""
+    return BenchConfig(lengths=tuple(spec.lengths), decode=tuple(tuple(c) for c in spec.decode),
+                       new_tokens=spec.new_tokens, repeats=spec.repeats)
+
+
 # --------------------------------------------------------------------------- the ideal: pure geometry
 
 
@@ -464,6 +470,14 @@ class BenchResult:
     heads: dict                   # pruned / total query heads, removed / total KV heads
     conditions: dict              # device, dtype, threads, repeats, load average, versions
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchResult":
+        """Back from `to_dict` (metrics.json's `bench` block)."""
+        keys = set(Figure.__dataclass_fields__)
+        figs = [Figure(**{**{k: v for k, v in f.items() if k in keys},
+                          "spread": tuple(f["spread"]) if f.get("spread") else None}) for f in d["figures"]]
+        return cls(figs, d["heads"], d["conditions"])
+
     def figure(self, name: str) -> Figure:
         return next(f for f in self.figures if f.name == name)
 
@@ -481,19 +495,42 @@ class BenchResult:
         rows = []
         for f in self.figures:
             spread = f" [{100 * f.spread[0]:+.1f}, {100 * f.spread[1]:+.1f}]" if f.spread else ""
-            rows.append([f"{f.name} ({f.unit})", _fmt(f.base), _fmt(f.pruned), f"{100 * f.saving:+.1f}%{spread}",
+            rows.append([f"{f.name} ({f.unit})" if f.unit else f.name, _fmt(f.base), _fmt(f.pruned), f"{100 * f.saving:+.1f}%{spread}",
                          f"{100 * f.ideal:.1f}% ({f.basis})",
                          "—" if f.of_ideal is None else f"{f.of_ideal:.2f}"])
         return report.markdown_table(["figure", "base", "pruned", "saving [range over runs]", "ideal (basis)",
                                       "realised / ideal"], rows)
 
+    def markdown(self) -> str:
+        """The table with what it measured and where: the `bench` section of report.md and the model card."""
+        c, h = self.conditions, self.heads
+        cases = ", ".join(f"batch {b} from a {p}-token prompt" for b, p in c.get("decode", []))
+        return "\n".join([
+            f"Base vs the compact model ({h['pruned']} of {h['total']} query heads and {h['kv_removed']} of "
+            f"{h['kv_total']} KV heads removed), measured in one process: {c.get('dtype')} on {c.get('device')}, "
+            f"{c.get('threads')} threads, median of {c.get('repeats')} interleaved rounds (load average "
+            f"{_load(c)}). Prefill: batch 1, the last position's logits; decode: greedy generation with the KV "
+            f"cache, {c.get('new_tokens')} new tokens" + (f", {cases}" if cases else "") + ".", "",
+            self.table(), "",
+            "Ideal: the share of the base figure that the removed heads account for (parameters: their "
+            "q/k/v/o slices; prefill: FLOPs; decode: bytes moved per step, weights plus the KV cache read; "
+            "peak memory: weights plus the KV cache). Realised / ideal near 1 means removing heads turned into "
+            "that saving; timed figures on a shared CPU vary from run to run (the range over rounds)."])
+
     def summary(self) -> str:
-        """Two lines for the terminal."""
-        h = self.heads
-        picks = [f for f in self.figures if f.name.startswith(("parameters", "KV cache", "prefill", "decode"))]
-        return (f"compact model ({h['pruned']}/{h['total']} heads removed, {h['kv_removed']}/{h['kv_total']} "
-                "KV heads): " + "; ".join(f"{f.name} {100 * f.saving:+.1f}% (ideal {100 * f.ideal:.1f}%)"
-                                          for f in picks))
+        """A few lines for the terminal: every figure base -> pruned, its saving and the ideal."""
+        h, c = self.heads, self.conditions
+        lines = [f"what the compact model buys ({h['pruned']}/{h['total']} heads, {h['kv_removed']}/{h['kv_total']} "
+                 f"KV heads removed; {c.get('dtype')}, median of {c.get('repeats')} rounds, load {_load(c)}):"]
+        for f in self.figures:
+            lines.append(f"  {f.name}: {_fmt(f.base)} -> {_fmt(f.pruned)}{' ' + f.unit if f.unit else ''} (saving {100 * f.saving:+.1f}%, "
+                         f"ideal {100 * f.ideal:.1f}%)")
+        return "\n".join(lines)
+
+
+def _load(c: dict) -> str:
+    before, after = c.get("load_average_before"), c.get("load_average_after")
+    return f"{before[0]:.2f} before, {after[0]:.2f} after" if before and after else "not recorded"
 
 
 def _fmt(x: float) -> str:
@@ -512,13 +549,12 @@ def _timed(name: str, unit: str, base: list[float], pruned: list[float], ideal: 
                   (min(per_round), max(per_round)), len(per_round))
 
 
-def compare(base, pruned, plan: _Plan, runs: dict[str, _Runs], checkpoint_dtype: torch.dtype | None = None,
+def compare(base, pruned, plan: _Plan, rb: _Runs, rp: _Runs, checkpoint_dtype: torch.dtype | None = None,
             conditions: dict | None = None) -> BenchResult:
-    """The figures of `pruned` against `base` from their measurements (`runs["base"]`, `runs["pruned"]`)."""
+    """The figures of `pruned` against `base` from their measurements `rb` and `rp` (the same rounds)."""
     sb = shape_of(base)
     sp = shape_of(base, surgery.kept_heads(pruned))
-    rb, rp = runs["base"], runs["pruned"]
-    figs = [Figure("parameters", "count", sb.params, _module_params(pruned),
+    figs = [Figure("parameters", "", sb.params, _module_params(pruned),
                    saving(sb.params, _module_params(pruned)), saving(sb.params, sp.params), "q/k/v/o of removed heads")]
     dt = checkpoint_dtype or next(base.parameters()).dtype
     cb, cp_ = checkpoint_bytes(base, dt), checkpoint_bytes(pruned, dt)
@@ -573,4 +609,5 @@ def bench(base, pruned, cfg: BenchConfig = BenchConfig(), checkpoint_dtype: torc
     """Base vs pruned compact model: measured in one process, interleaved, against the ideal."""
     load = os.getloadavg()
     plan, runs = measure({"base": base, "pruned": pruned}, cfg, progress)
-    return compare(base, pruned, plan, runs, checkpoint_dtype, conditions(base, cfg, plan, load))
+    return compare(base, pruned, plan, runs["base"], runs["pruned"], checkpoint_dtype,
+                   conditions(base, cfg, plan, load))

@@ -154,6 +154,28 @@ class CaptureSpec(_Strict):
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
 
 
+class BenchSpec(_Strict):
+    """What `prune` measures of the pruned compact model against the base (parameters, checkpoint bytes,
+    KV cache, peak memory, prefill latency, decode throughput; see pruner.bench). Small by default so a
+    run stays quick; `pruner bench RUN_DIR` measures at full length."""
+
+    enabled: bool = True
+    lengths: list[int] = Field([128, 512], description="prefill latency at batch 1, tokens (capped at the "
+                                                        "position table)")
+    decode: list[tuple[int, int]] = Field([(1, 16), (8, 256)], description="greedy decode cases "
+                                                                          "[batch, prompt tokens]")
+    new_tokens: int = Field(32, ge=2, description="tokens each decode case generates")
+    repeats: int = Field(3, ge=1, description="interleaved rounds (figures are medians)")
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if any(t < 1 for t in self.lengths) or any(b < 1 or p < 1 for b, p in self.decode):
+            raise ValueError("lengths, batch sizes and prompt lengths must be >= 1")
+        if self.enabled and not self.lengths and not self.decode:
+            raise ValueError("nothing to measure: give lengths or decode cases (or enabled: false)")
+        return self
+
+
 class Recipe(_Strict):
     model: ModelSpec
     calibration: DataSpec = DataSpec()
@@ -164,6 +186,7 @@ class Recipe(_Strict):
     surgery: SurgerySpec = SurgerySpec()
     export: ExportSpec = ExportSpec()
     capture: CaptureSpec = CaptureSpec()
+    bench: BenchSpec = BenchSpec()
     threads: int | None = Field(None, ge=1)
     seed: int = 0
 

@@ -117,3 +117,25 @@ def test_weight_plan_respects_gqa_units():
         bench.weight_plan(base, SelectionConfig(target=0.25, budget="layer", gqa="equal"))
     plan = bench.weight_plan(base, SelectionConfig(target=0.5, budget="layer", gqa="group"))
     assert all(len(hs) == 2 and hs[0] // 2 == hs[1] // 2 for hs in plan.heads.values())
+
+
+@pytest.mark.unit
+def test_recipe_bench_section():
+    from pruner.recipe import RecipeError, load_recipe
+
+    r = load_recipe({"model": {"path": "x"}}, ["bench.decode=[[2, 30]]", "bench.repeats=5"])
+    assert bench.config_of(r.bench) == bench.BenchConfig(lengths=(128, 512), decode=((2, 30),), new_tokens=32,
+                                                         repeats=5)
+    with pytest.raises(RecipeError, match="bench.decode"):
+        load_recipe({"model": {"path": "x"}, "bench": {"decode": [[1, 8, 3]]}})
+    with pytest.raises(RecipeError, match="bench: lengths, batch sizes"):
+        load_recipe({"model": {"path": "x"}, "bench": {"lengths": [0]}})
+
+
+@pytest.mark.integration
+def test_result_round_trips_through_its_dict():
+    base = tiny_model("gpt2")
+    res = bench.bench(base, bench.compact_copy(base, {1: [0]}), QUICK)
+    again = bench.BenchResult.from_dict(res.to_dict())
+    assert again == res and again.table() == res.table()
+    assert "parameters:" in res.summary() and "| figure |" in res.markdown()
