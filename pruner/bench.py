@@ -246,8 +246,8 @@ def checkpoint_bytes(model, dtype: torch.dtype | None = None) -> int:
 
     state = None
     if dtype is not None and dtype != next(model.parameters()).dtype:
-        cast: dict[int, torch.Tensor] = {}  # tied tensors stay one tensor
-        state = {k: cast.setdefault(id(v), v.to(dtype)) for k, v in model.state_dict().items()}
+        cast: dict[tuple, torch.Tensor] = {}  # tied weights (one storage) stay one tensor
+        state = {k: cast.setdefault((v.data_ptr(), v.shape), v.to(dtype)) for k, v in model.state_dict().items()}
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -139,3 +139,12 @@ def test_result_round_trips_through_its_dict():
     again = bench.BenchResult.from_dict(res.to_dict())
     assert again == res and again.table() == res.table()
     assert "parameters:" in res.summary() and "| figure |" in res.markdown()
+
+
+@pytest.mark.integration
+def test_checkpoint_bytes_in_another_dtype_keep_tied_weights_once():
+    base = tiny_model("gpt2")  # LM head tied to the token embeddings
+    full, half = bench.checkpoint_bytes(base), bench.checkpoint_bytes(base, torch.float16)
+    weights = sum(p.numel() for p in base.parameters())  # the tied matrix counted once
+    header_full, header_half = full - 4 * weights, half - 2 * weights  # JSON headers: names, shapes, offsets
+    assert 0 < header_half <= header_full < header_half + 64  # offsets take fewer digits, nothing else differs
