@@ -155,6 +155,34 @@ def dtype_check(threads: int, repeats: int = 3) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- profile
+
+
+def profile(name: str, label: str, case: str, dtype: torch.dtype, rows: int = 12) -> str:
+    """Where the time goes in one case (`prefill:T` or `decode:BATCHxPROMPT`), base and one plan side by side:
+    the operators by self CPU time (torch.profiler), to say why a realised saving falls short of its ideal."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    base = build(name, dtype)
+    sel = dict(plans(name, base))[label]
+    pruned = bench.compact_copy(base, bench.weight_plan(base, sel, seed=0).heads)
+    kind, _, size = case.partition(":")
+    if kind == "prefill":
+        cfg = bench.BenchConfig(lengths=(int(size),), decode=(), repeats=1)
+    else:
+        b, p = (int(x) for x in size.split("x"))
+        cfg = bench.BenchConfig(lengths=(), decode=((b, p),), new_tokens=16, repeats=1)
+    out = []
+    for tag, model in (("base", base), (label, pruned)):
+        bench.measure({tag: model}, cfg)  # warm-up and one round outside the profiler
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            bench.measure({tag: model}, bench.BenchConfig(cfg.lengths, cfg.decode, cfg.new_tokens, repeats=1))
+        out.append(f"### {name} {tag}, {case}\n\n```\n"
+                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows) + "```")
+    return "\n\n".join(out)
+
+
 # --------------------------------------------------------------------------- tables
 
 
@@ -263,8 +291,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--dtype-check", action="store_true", help="also time GPT-2 small in float32 and bfloat16")
     ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--profile", metavar="MODEL:PLAN:CASE",
+                    help="instead of the benchmark, profile one case, e.g. 'llama-3.2-1b:50%% layer equal:prefill:2048' "
+                         "or 'gpt2-small:50%% layer equal:decode:8x895'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.profile:
+        name, label, case = args.profile.split(":", 2)
+        text = profile(name, label, case, getattr(torch, args.dtype))
+        print(text)
+        (Path(args.out) / f"profile-{name}-{case.replace(':', '-')}.md").write_text(text + "\n")
+        return
     cfg = bench.BenchConfig(lengths=tuple(int(x) for x in args.lengths.split(",") if x), decode=_pairs(args.decode),
                             new_tokens=args.new_tokens, repeats=args.repeats)
     out = Path(args.out)
