@@ -240,6 +240,13 @@ def stored_dtype(path: str | Path) -> torch.dtype | None:
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[max(counts, key=counts.get)]
 
 
+def checkpoint_dtype(spec, model) -> torch.dtype:
+    """The dtype the base checkpoint of a recipe's `model` section is stored in (else the model's own)."""
+    path = Path(models.resolve("minilm" if spec.mlm_readout else spec.path)) if spec.path else None
+    found = stored_dtype(path) if path is not None and path.is_dir() else None
+    return found or next(model.parameters()).dtype
+
+
 def checkpoint_bytes(model, dtype: torch.dtype | None = None) -> int:
     """Bytes of the weights files `save_pretrained` writes for `model` in `dtype` (default: its own)."""
     from transformers.utils import logging as hf_logging
@@ -512,6 +519,8 @@ class BenchResult:
             f"{_load(c)}). Prefill: batch 1, the last position's logits; decode: greedy generation with the KV "
             f"cache, {c.get('new_tokens')} new tokens" + (f", {cases}" if cases else "") + ".", "",
             self.table(), "",
+            *([f"The pruned parameters include {h['compensation_params']:,} bias entries that mean compensation "
+               "adds (the ideal counts head removal alone).", ""] if h.get("compensation_params") else []),
             "Ideal: the share of the base figure that the removed heads account for (parameters: their "
             "q/k/v/o slices; prefill: FLOPs; decode: bytes moved per step, weights plus the KV cache read; "
             "peak memory: weights plus the KV cache). Realised / ideal near 1 means removing heads turned into "
@@ -586,7 +595,8 @@ def compare(base, pruned, plan: _Plan, rb: _Runs, rp: _Runs, checkpoint_dtype: t
     g = arch.geometry(base)
     heads = {"pruned": sum(sb.q_heads) - sum(sp.q_heads), "total": sum(sb.q_heads),
              "kv_removed": sum(sb.kv_heads) - sum(sp.kv_heads), "kv_total": sum(sb.kv_heads),
-             "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads), "group_size": g.group_size}
+             "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads), "group_size": g.group_size,
+             "compensation_params": _module_params(pruned) - sp.params}  # biases mean compensation adds
     return BenchResult(figs, heads, conditions or {})
 
 
@@ -611,3 +621,24 @@ def bench(base, pruned, cfg: BenchConfig = BenchConfig(), checkpoint_dtype: torc
     plan, runs = measure({"base": base, "pruned": pruned}, cfg, progress)
     return compare(base, pruned, plan, runs["base"], runs["pruned"], checkpoint_dtype,
                    conditions(base, cfg, plan, load))
+
+
+def bench_run(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), dtype: str | None = None,
+              progress: bool = True) -> BenchResult:
+    """`pruner bench RUN_DIR`: the run's base model (its recipe) against its plan's compact form.
+
+    `dtype` loads the base in another dtype than the recipe's (e.g. bfloat16 on a CPU with AMX);
+    the checkpoint figure stays in the base checkpoint's own dtype.
+    """
+    from pruner.export import load_run  # imported here: export's model card renders BenchResult
+
+    run = load_run(Path(run_dir))
+    spec = run.recipe.model
+    if spec.path == "(in memory)":
+        raise ValueError(f"{run_dir} was pruned from a model built in memory: bench needs its base, so call "
+                         "pruner.bench.bench(base, compact_copy(base, heads)) on the model you hold")
+    base = models.load_base(spec if dtype is None else spec.model_copy(update={"dtype": dtype}))
+    if dtype is not None:
+        base = base.to(getattr(torch, dtype))  # a no-op unless the loader has its own dtype (the MLM readout)
+    pruned = compact_copy(base, run.heads, run.bias)
+    return bench(base, pruned, cfg, checkpoint_dtype(run.recipe.model, base), progress)

@@ -7,9 +7,9 @@ import argparse
 import sys
 
 from pruner import __version__
-from pruner.commands import analyze, compare, export, prune, sinks
+from pruner.commands import analyze, bench, compare, export, prune, sinks
 
-COMMANDS = (sinks, analyze, prune, compare, export)  # the order `pruner --help` lists them in
+COMMANDS = (sinks, analyze, prune, compare, export, bench)  # the order `pruner --help` lists them in
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, data, distributed, models, surgery
+from pruner import arch, bench, data, distributed, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
 from pruner.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -227,6 +227,7 @@ def run(session: Session, progress: bool = True) -> RunResult:
     latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
     bias = compensation_bias(model, plan.heads, recipe.surgery.compensation, plan.calibration)
     m = evaluate_plan(session, plan.heads, bias, base)  # scoped mask: same numbers as the surgery below
+    gains = measure_gains(session, plan.heads, bias, progress)  # before the surgery: the model is the base
     apply(model, plan.heads, bias, recipe.surgery.mode)
     geom = plan.geometry
     scorer = get_scorer(plan.scorer)
@@ -241,9 +242,22 @@ def run(session: Session, progress: bool = True) -> RunResult:
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
         "convention_sensitivity": sensitivity_record(plan),
+        **({"bench": gains} if gains is not None else {}),
         "seconds": round(time.time() - t0, 1),
     }
     return RunResult(plan, metrics, model, session.tokenizer, bias, recipe)
+
+
+def measure_gains(session: Session, heads: dict[int, list[int]], bias, progress: bool = True) -> dict | None:
+    """What the compact form of this plan buys against the base (the recipe's `bench` section): the
+    metrics' `bench` block. Not measured when disabled, on other processes than the first (they would
+    time each other), or for a model spread over devices."""
+    spec = session.recipe.bench
+    if not spec.enabled or not distributed.is_main() or getattr(session.model, "hf_device_map", None):
+        return None
+    dtype = bench.checkpoint_dtype(session.recipe.model, session.model)
+    pruned = bench.compact_copy(session.model, heads, bias)
+    return bench.bench(session.model, pruned, bench.config_of(spec), dtype, progress).to_dict()
 
 
 def sensitivity_record(plan: Plan) -> dict | None:

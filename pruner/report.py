@@ -198,5 +198,9 @@ def run_report(metrics: dict, plan_json: str) -> str:
     sens = sensitivity_text(metrics)
     if sens:
         lines += [sens, ""]
+    if metrics.get("bench"):
+        from pruner.bench import BenchResult  # imported here: pruner.bench builds its tables with this module
+
+        lines += ["## What the compact model buys", "", BenchResult.from_dict(metrics["bench"]).markdown(), ""]
     lines += ["## Pruned heads", "", plan_table(json.loads(plan_json))]
     return "\n".join(lines) + "\n"

@@ -148,3 +148,33 @@ def test_checkpoint_bytes_in_another_dtype_keep_tied_weights_once():
     weights = sum(p.numel() for p in base.parameters())  # the tied matrix counted once
     header_full, header_half = full - 4 * weights, half - 2 * weights  # JSON headers: names, shapes, offsets
     assert 0 < header_half <= header_full < header_half + 64  # offsets take fewer digits, nothing else differs
+
+
+@pytest.mark.integration
+def test_bench_command_measures_a_run(tmp_path, capsys):
+    """`pruner bench RUN_DIR` on a global-budget GQA plan: the run's own heads, exact figures, files written."""
+    import json
+    from pathlib import Path
+
+    from pruner.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    assert main(["prune", str(root / "recipes" / "llama-shakespeare.yaml"), "--out", str(run),
+                 "--set", "calibration.num_samples=4", "--set", "evaluation.num_samples=2",
+                 "--set", "evaluation.bootstrap=10", "--set", "evaluation.latency=false",
+                 "--set", "selection.gqa=group", "--set", "selection.budget=global",
+                 "--set", "bench.enabled=false"]) == 0
+    assert "bench" not in json.loads((run / "metrics.json").read_text())
+    capsys.readouterr()
+    assert main(["bench", str(run), "--lengths", "24", "--decode", "2x16", "--new-tokens", "3",
+                 "--repeats", "1"]) == 0
+    d = json.loads((run / "bench.json").read_text())
+    plan = json.loads((run / "plan.json").read_text())
+    assert d["heads"]["pruned"] == plan["pruned"] and d["heads"]["kv_removed"] > 0
+    figures = {f["name"]: f for f in d["figures"]}
+    assert figures["KV cache"]["saving"] == figures["KV cache"]["ideal"] > 0
+    assert figures["checkpoint"]["unit"] == "MB, float16"  # the shipped checkpoint's own dtype
+    assert "| figure |" in (run / "bench.md").read_text() and "wrote" in capsys.readouterr().out
+    assert main(["bench", str(run), "--decode", "8by2"]) == 2
+    assert "BATCHxPROMPT" in capsys.readouterr().err

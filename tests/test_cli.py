@@ -13,7 +13,9 @@ from pruner.cli import main
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8",
-         "--set", "evaluation.bootstrap=50", "--set", "capture.metrics=[cosine]"]
+         "--set", "evaluation.bootstrap=50", "--set", "capture.metrics=[cosine]",
+         "--set", "bench.lengths=[32]", "--set", "bench.decode=[[2, 16]]", "--set", "bench.new_tokens=4",
+         "--set", "bench.repeats=1"]
 
 
 def test_version_and_help(capsys):
@@ -22,7 +24,7 @@ def test_version_and_help(capsys):
     assert e.value.code == 0 and "pruner 0.1.0" in capsys.readouterr().out
     assert main([]) == 0
     out = capsys.readouterr().out
-    for cmd in ("sinks", "prune", "compare", "analyze", "export"):
+    for cmd in ("sinks", "prune", "compare", "analyze", "export", "bench"):
         assert cmd in out
 
 
@@ -38,6 +40,13 @@ def test_prune_writes_a_complete_run(tmp_path, capsys):
     assert metrics["evaluation"]["base"] > 1 and metrics["evaluation"]["ci_low"] <= metrics["evaluation"]["delta"]
     text = capsys.readouterr().out
     assert "pruned 18/72 heads" in text and "perplexity" in text
+    # what the compact model buys: in metrics.json, report.md and on the terminal
+    figures = {f["name"]: f for f in metrics["bench"]["figures"]}
+    assert figures["parameters"]["saving"] == figures["parameters"]["ideal"] > 0
+    assert figures["KV cache"]["saving"] == figures["KV cache"]["ideal"] == 0.25  # 18 of 72 heads, no GQA
+    assert {"prefill T=32", "decode batch 2, prompt 16"} <= set(figures)
+    assert "## What the compact model buys" in (out / "report.md").read_text()
+    assert "what the compact model buys (18/72 heads" in text and "surgery mode `mask`" in text
     # the saved (dense, masked) model reloads with vanilla transformers and is really pruned
     from transformers import AutoModelForCausalLM
 

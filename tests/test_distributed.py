@@ -51,7 +51,7 @@ def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
 def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
     quick = ["--set", "calibration.num_samples=6", "--set", "evaluation.num_samples=5",
              "--set", "evaluation.bootstrap=20", "--set", "capture.metrics=[cosine]",
-             "--set", "scorer.name=gradient"]
+             "--set", "scorer.name=gradient", "--set", "bench.enabled=false"]
     recipe = str(ROOT / "recipes" / "gpt2-shakespeare.yaml")
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--set", "calibration.num_samples=4", "--set", "calibration.length=64", "--set", "evaluation.num_samples=2",
          "--set", "evaluation.length=64", "--set", "evaluation.bootstrap=10", "--set", "evaluation.latency=false",
-         "--set", "capture.metrics=[cosine]"]
+         "--set", "capture.metrics=[cosine]", "--set", "bench.enabled=false"]
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York."
 
 

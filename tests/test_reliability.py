@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "calibration.num_samples=4", "--set", "calibration.length=32", "--set", "evaluation.num_samples=4",
         "--set", "evaluation.length=32", "--set", "evaluation.bootstrap=10", "--set", "capture.metrics=[cosine]",
-        "--set", "evaluation.latency=false"]
+        "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
 
 
 def _tiny(folder: Path, cls_name: str, **config) -> Path:

@@ -60,6 +60,10 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"convention sensitivity of a naive cosine-redundancy plan at the same target (not the plan pruned "
               f"here, whose scorer reads {m['convention']}): {sens['changed']} of its {m['pruned_heads']} heads "
               f"change between the {sens['convention']} and {sens['other']} conventions")
+    if m.get("bench"):
+        from pruner.bench import BenchResult
+
+        print(BenchResult.from_dict(m["bench"]).summary())
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     elif m["surgery"] == "mask":
