@@ -1,6 +1,6 @@
 """What head pruning buys at real model shapes: random-weight Llama-3.2-1B, Qwen2.5-0.5B and GPT-2 small.
 
-    PYTHONPATH=. python eval/bench_pruned.py                       # the README table (see README for the time)
+    PYTHONPATH=. python eval/bench_pruned.py --dtype-check         # the README table (see README for the time)
     PYTHONPATH=. python eval/bench_pruned.py --models gpt2-small --repeats 1 --new-tokens 8 --out runs/smoke
 
 Each model is built from its public config (written below; nothing is downloaded)
@@ -95,20 +95,21 @@ def checkpoint_dtype(name: str) -> torch.dtype:
     return getattr(torch, CONFIGS[name]["torch_dtype"])
 
 
-def plans(name: str, model) -> list[tuple[str, SelectionConfig]]:
-    gqa = GQA if model.config.num_attention_heads != getattr(model.config, "num_key_value_heads", None) \
-        and getattr(model.config, "num_key_value_heads", None) else ("equal",)
+def plans(model, targets=TARGETS, budgets=BUDGETS, gqa_modes=GQA) -> list[tuple[str, SelectionConfig]]:
+    """Every target x budget x GQA mode (only `equal` without GQA: `group` would be the same plans)."""
+    kv = getattr(model.config, "num_key_value_heads", None)
+    gqa = gqa_modes if kv and kv != model.config.num_attention_heads else ("equal",)
     return [(f"{t:.0%} {b} {g}", SelectionConfig(target=t, budget=b, gqa=g))
-            for t in TARGETS for b in BUDGETS for g in gqa]
+            for t in targets for b in budgets for g in gqa]
 
 
-def bench_model(name: str, cfg: bench.BenchConfig, dtype: torch.dtype, progress: bool) -> list[dict]:
+def bench_model(name: str, cfg: bench.BenchConfig, dtype: torch.dtype, progress: bool, axes: dict) -> list[dict]:
     """Base + every plan's compact copy, measured together; one record per plan."""
     t0 = time.time()
     base = build(name, dtype)
     print(f"{name}: built in {time.time() - t0:.0f} s", flush=True)
     variants, records = {}, []
-    for label, sel in plans(name, base):
+    for label, sel in plans(base, **axes):
         try:
             plan = bench.weight_plan(base, sel, seed=0)
         except SelectionError as e:
@@ -165,7 +166,7 @@ def profile(name: str, label: str, case: str, dtype: torch.dtype, rows: int = 12
     from torch.profiler import profile as torch_profile
 
     base = build(name, dtype)
-    sel = dict(plans(name, base))[label]
+    sel = dict(plans(base))[label]
     pruned = bench.compact_copy(base, bench.weight_plan(base, sel, seed=0).heads)
     kind, _, size = case.partition(":")
     if kind == "prefill":
@@ -285,8 +286,13 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
     ap.add_argument("--lengths", default="512,2048", help="prefill lengths (batch 1)")
     ap.add_argument("--decode", default="1x32,8x2048", help="decode cases BATCHxPROMPT")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="tokens per decode case (the per-step time is what is measured; 32 keeps the 1B model "
+                         "within the time budget)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--targets", default="0.25,0.5", help="fractions of heads to prune")
+    ap.add_argument("--budgets", default="layer,global")
+    ap.add_argument("--gqa", default="equal,group")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--dtype-check", action="store_true", help="also time GPT-2 small in float32 and bfloat16")
@@ -311,7 +317,9 @@ def main() -> None:
         print(json.dumps(checks), flush=True)
     records: list[dict] = []
     for name in args.models.split(","):
-        records += bench_model(name, cfg, getattr(torch, args.dtype), progress=True)
+        axes = {"targets": tuple(float(x) for x in args.targets.split(",")), "budgets": tuple(args.budgets.split(",")),
+                "gqa_modes": tuple(args.gqa.split(","))}
+        records += bench_model(name, cfg, getattr(torch, args.dtype), progress=True, axes=axes)
         payload = {"command": " ".join(sys.argv), "dtype_check": checks, "records": records}
         (out / "bench_pruned.json").write_text(json.dumps(payload, indent=1) + "\n")  # after every model
     text = markdown(records, checks, args)

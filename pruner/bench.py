@@ -42,6 +42,7 @@ import copy
 import ctypes
 import gc
 import inspect
+import json
 import os
 import platform
 import statistics
@@ -621,6 +622,19 @@ def bench(base, pruned, cfg: BenchConfig = BenchConfig(), checkpoint_dtype: torc
     plan, runs = measure({"base": base, "pruned": pruned}, cfg, progress)
     return compare(base, pruned, plan, runs["base"], runs["pruned"], checkpoint_dtype,
                    conditions(base, cfg, plan, load))
+
+
+def run_section(folder: str | Path, metrics: dict) -> str | None:
+    """What a run's compact model buys, as markdown for its model card: `pruner bench`'s bench.json when
+    the run folder has one (full length), else the block `prune` measured; None when neither exists."""
+    path = Path(folder) / "bench.json"
+    if path.exists():
+        d, how = json.loads(path.read_text()), "`pruner bench`"
+    elif metrics.get("bench"):
+        d, how = metrics["bench"], "`pruner prune` (its recipe's `bench` section)"
+    else:
+        return None
+    return f"Measured by {how}. " + BenchResult.from_dict(d).markdown()
 
 
 def bench_run(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), dtype: str | None = None,

@@ -178,3 +178,15 @@ def test_bench_command_measures_a_run(tmp_path, capsys):
     assert "| figure |" in (run / "bench.md").read_text() and "wrote" in capsys.readouterr().out
     assert main(["bench", str(run), "--decode", "8by2"]) == 2
     assert "BATCHxPROMPT" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_run_section_prefers_the_full_measurement(tmp_path):
+    import json
+
+    base = tiny_model("gpt2")
+    quick = bench.bench(base, bench.compact_copy(base, {0: [1]}), QUICK).to_dict()
+    assert bench.run_section(tmp_path, {}) is None
+    assert "`pruner prune`" in bench.run_section(tmp_path, {"bench": quick})
+    (tmp_path / "bench.json").write_text(json.dumps(quick))
+    assert bench.run_section(tmp_path, {"bench": quick}).startswith("Measured by `pruner bench`")
