@@ -9,8 +9,8 @@ per-round savings (each round pairs a base and a pruned run made seconds apart).
 
 Figures (batch 1 unless stated):
 
-- parameters, and checkpoint bytes: `save_pretrained` into a temporary folder,
-  in the base checkpoint's dtype;
+- parameters, and checkpoint bytes: the safetensors weights file (what
+  `save_pretrained` writes) in a temporary folder, in the base checkpoint's dtype;
 - KV-cache bytes per token, read off the cache after a prefill;
 - prefill latency at T tokens: the forward pass that fills the cache and keeps
   the logits of the last position only (what `generate` runs first);
@@ -249,22 +249,27 @@ def checkpoint_dtype(spec, model) -> torch.dtype:
 
 
 def checkpoint_bytes(model, dtype: torch.dtype | None = None) -> int:
-    """Bytes of the weights files `save_pretrained` writes for `model` in `dtype` (default: its own)."""
-    from transformers.utils import logging as hf_logging
+    """Bytes of the safetensors weights file of `model` stored in `dtype` (default: its own).
 
-    state = None
-    if dtype is not None and dtype != next(model.parameters()).dtype:
-        cast: dict[tuple, torch.Tensor] = {}  # tied weights (one storage) stay one tensor
-        state = {k: cast.setdefault((v.data_ptr(), v.shape), v.to(dtype)) for k, v in model.state_dict().items()}
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with tempfile.TemporaryDirectory(prefix="pruner-bench-") as tmp:
-            model.save_pretrained(tmp, state_dict=state)
-            return sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
+    The file `save_pretrained` writes -- every tensor of the state dict, tied weights
+    once -- written directly, because `save_pretrained` also validates the config,
+    and a vanilla config cannot describe every pruned model (e.g. 24 heads of
+    2048 / 24 channels): the bytes are the same, the config is another matter
+    (pruner's per-layer checkpoint format).
+    """
+    from safetensors.torch import save_file
+
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.data_ptr(), t.shape)
+        if key in seen:  # tied to a tensor already stored (e.g. the LM head to the embeddings)
+            continue
+        seen.add(key)
+        state[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+    with tempfile.TemporaryDirectory(prefix="pruner-bench-") as tmp:
+        path = Path(tmp) / "model.safetensors"
+        save_file(state, str(path), metadata={"format": "pt"})
+        return path.stat().st_size
 
 
 # --------------------------------------------------------------------------- measurement plumbing

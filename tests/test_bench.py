@@ -142,12 +142,17 @@ def test_result_round_trips_through_its_dict():
 
 
 @pytest.mark.integration
-def test_checkpoint_bytes_in_another_dtype_keep_tied_weights_once():
+def test_checkpoint_bytes_are_the_weights_file_save_pretrained_writes(tmp_path):
     base = tiny_model("gpt2")  # LM head tied to the token embeddings
+    base.save_pretrained(tmp_path)
+    assert bench.checkpoint_bytes(base) == (tmp_path / "model.safetensors").stat().st_size
     full, half = bench.checkpoint_bytes(base), bench.checkpoint_bytes(base, torch.float16)
     weights = sum(p.numel() for p in base.parameters())  # the tied matrix counted once
     header_full, header_half = full - 4 * weights, half - 2 * weights  # JSON headers: names, shapes, offsets
     assert 0 < header_half <= header_full < header_half + 64  # offsets take fewer digits, nothing else differs
+    pruned = bench.compact_copy(base, {0: [1], 1: [3]})  # 3 heads of 8 channels in a 32-wide GPT-2: no config says so
+    per_head = 3 * 8 * (32 + 1) + 8 * 32  # q, k, v columns (+ biases) and output rows of one head
+    assert abs(full - bench.checkpoint_bytes(pruned) - 4 * 2 * per_head) < 64  # headers differ in a few digits
 
 
 @pytest.mark.integration
