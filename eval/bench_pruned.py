@@ -125,8 +125,8 @@ def bench_model(name: str, cfg: bench.BenchConfig, dtype: torch.dtype, progress:
         res = bench.compare(base, model, run_plan, runs["base"], runs[label], checkpoint_dtype(name), cond)
         records.append({"model": name, "plan": label, **res.to_dict()})
         print(f"\n{name}, {label}:\n{res.table()}", flush=True)
-    del variants, base
-    return records
+    order = [label for label, _ in plans(base, **axes)]
+    return sorted(records, key=lambda r: order.index(r["plan"]))
 
 
 # --------------------------------------------------------------------------- dtype check
