@@ -472,13 +472,15 @@ def load(path):
 def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
                private: bool = False):
     """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub."""
+    if private and not push_to_hub:
+        raise ValueError("private applies only with push_to_hub")
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / f"export-{format}"
+    if push_to_hub:
+        export.check_repo_id(push_to_hub)  # a malformed repo id fails before anything is read
     if export.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
-    if private and not push_to_hub:
-        raise ValueError("private applies only with push_to_hub")
     return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private)
 
 

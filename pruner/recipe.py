@@ -201,7 +201,7 @@ class AnalyzeSpec(_Strict):
     unit: Literal["windows", "lines"] | None = None
     max_length: int = Field(128, ge=4, le=131072)
     num_samples: int | None = Field(64, ge=1)
-    metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = Field(["cosine", "js"], min_length=1)
+    metrics: list[str] = Field(["cosine", "js"], min_length=1)
     thresholds: dict[str, float] = {}
     clusters: int | None = Field(None, ge=2)
     seed: int = 0
@@ -209,6 +209,16 @@ class AnalyzeSpec(_Strict):
     chunk_size: int = Field(128, ge=1)
     bos: bool = True
     threads: int | None = Field(None, ge=1)
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, v: list[str]) -> list[str]:
+        from pruner.stats import PAIR_METRICS
+
+        bad = [m for m in v if m not in PAIR_METRICS]
+        if bad:
+            raise ValueError(f"unknown pair metrics {bad}; valid: {', '.join(PAIR_METRICS)}")
+        return v
 
     @classmethod
     def validated(cls, values: dict[str, Any]) -> "AnalyzeSpec":
