@@ -76,7 +76,7 @@ def build(name: str, dtype: torch.dtype):
     torch.set_default_dtype(dtype)
     try:
         with no_init_weights():  # transformers' own init takes minutes at 1B; ours below is seeded
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     finally:
         torch.set_default_dtype(default)
     g = torch.Generator().manual_seed(0)
@@ -230,7 +230,7 @@ def base_table(records: list[dict]) -> str:
         seen.add(r["model"])
         by = {f["name"]: f for f in r["figures"]}
         rows.append([r["model"], r["conditions"]["dtype"]]
-                    + [f"{by[c]['base']:,.4g} {by[c]['unit']}" if c in by else "—" for c in cols])
+                    + [f"{bench._fmt(by[c]['base'])} {by[c]['unit']}".strip() if c in by else "—" for c in cols])
     return report.markdown_table(["model", "dtype"] + cols, rows)
 
 
@@ -253,15 +253,17 @@ def target_lines(records: list[dict]) -> list[str]:
     return lines + [f"  missed: {m}" for m in missed]
 
 
-def markdown(records: list[dict], checks: list[dict] | None, args) -> str:
+def markdown(records: list[dict], checks: list[dict] | None) -> str:
     cond = next((r["conditions"] for r in records if "conditions" in r), {})
-    text = [f"`{' '.join(['python', 'eval/bench_pruned.py'] + sys.argv[1:])}`; {cond.get('device', '')}, "
-            f"{cond.get('threads')} threads, torch {cond.get('torch')}, transformers {cond.get('transformers')}; "
-            f"{args.repeats} interleaved rounds after a warm-up; decode {args.new_tokens} new tokens.", ""]
+    text = [f"`python eval/bench_pruned.py` ({' '.join(sys.argv[1:]) or 'defaults'} in the last run); "
+            f"{cond.get('device') or 'cpu'}, torch {cond.get('torch')}, transformers {cond.get('transformers')}. "
+            "Per model: the conditions of its run.", ""]
     for m in dict.fromkeys(r["model"] for r in records):
         c = next((r["conditions"] for r in records if r["model"] == m and "conditions" in r), None)
         if c:
-            text.append(f"- {m}: {c['seconds']} s, load average {c['load_average_before'][0]:.2f} before, "
+            text.append(f"- {m}: {c['dtype']}, {c['threads']} threads, {c['repeats']} interleaved rounds after a "
+                        f"warm-up, prefill {c['lengths']}, decode [batch, prompt] {c['decode']} x {c['new_tokens']} "
+                        f"new tokens; {c['seconds']} s, load average {c['load_average_before'][0]:.2f} before, "
                         f"{c['load_average_after'][0]:.2f} after")
     text += ["", "Base models:", "", base_table(records), "",
              "Savings, realised (range over rounds) / ideal, in percent:", "", savings_table(records), ""]
@@ -297,6 +299,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--dtype-check", action="store_true", help="also time GPT-2 small in float32 and bfloat16")
     ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the other models' records already in OUT/bench_pruned.json (run models one at a time)")
     ap.add_argument("--profile", metavar="MODEL:PLAN:CASE",
                     help="instead of the benchmark, profile one case, e.g. 'llama-3.2-1b:50%% layer equal:prefill:2048' "
                          "or 'gpt2-small:50%% layer equal:decode:8x895'")
@@ -316,13 +320,18 @@ def main() -> None:
     if checks:
         print(json.dumps(checks), flush=True)
     records: list[dict] = []
+    previous = out / "bench_pruned.json"
+    if args.append and previous.exists():  # keep other models' records (each carries its own conditions)
+        old = json.loads(previous.read_text())
+        records = [r for r in old["records"] if r["model"] not in args.models.split(",")]
+        checks = checks or old.get("dtype_check")
     for name in args.models.split(","):
         axes = {"targets": tuple(float(x) for x in args.targets.split(",")), "budgets": tuple(args.budgets.split(",")),
                 "gqa_modes": tuple(args.gqa.split(","))}
         records += bench_model(name, cfg, getattr(torch, args.dtype), progress=True, axes=axes)
         payload = {"command": " ".join(sys.argv), "dtype_check": checks, "records": records}
         (out / "bench_pruned.json").write_text(json.dumps(payload, indent=1) + "\n")  # after every model
-    text = markdown(records, checks, args)
+    text = markdown(records, checks)
     (out / "bench_pruned.md").write_text(text)
     print("\n" + text)
 
