@@ -177,7 +177,7 @@ def shape_of(model, kept: dict[int, list[int]] | None = None) -> Shape:
 # --------------------------------------------------------------------------- models
 
 
-def compact_copy(base, heads: surgery.HeadSet, bias: dict[int, torch.Tensor] | None = None):
+def compact_copy(base, heads: surgery.HeadSet, compensation=None):
     """`base` with `heads` physically removed, sharing every weight outside q/k/v/o with `base`.
 
     `base` is left as it was; the copy costs only its own attention projections,
@@ -192,7 +192,7 @@ def compact_copy(base, heads: surgery.HeadSet, bias: dict[int, torch.Tensor] | N
     memo = {id(p): p for p in base.parameters() if id(p) not in own}
     memo.update({id(b): b for b in base.buffers()})
     pruned = copy.deepcopy(base, memo)
-    surgery.remove_heads(pruned, heads, bias)
+    surgery.remove_heads(pruned, heads, compensation)  # a surgery.Compensation (or {layer: bias}, or None)
     return pruned
 
 
@@ -225,27 +225,13 @@ def max_positions(model) -> int | None:
     return n
 
 
-def stored_dtype(path: str | Path) -> torch.dtype | None:
-    """The floating dtype a checkpoint folder stores its weights in (its safetensors), or None."""
-    from safetensors import safe_open
-
-    counts: dict[str, int] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                dt = st.get_slice(k).get_dtype()
-                if dt in ("F32", "F16", "BF16"):
-                    counts[dt] = counts.get(dt, 0) + 1
-    if not counts:
-        return None
-    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[max(counts, key=counts.get)]
-
-
 def checkpoint_dtype(spec, model) -> torch.dtype:
-    """The dtype the base checkpoint of a recipe's `model` section is stored in (else the model's own)."""
-    path = Path(models.resolve("minilm" if spec.mlm_readout else spec.path)) if spec.path else None
-    found = stored_dtype(path) if path is not None and path.is_dir() else None
-    return found or next(model.parameters()).dtype
+    """The dtype the base checkpoint of a recipe's `model` section is stored in (`compact.storage_dtype`:
+    what an export stores by default), else the model's own."""
+    from pruner import compact
+
+    found = compact.storage_dtype(spec)
+    return getattr(torch, found) if found else next(model.parameters()).dtype
 
 
 def checkpoint_bytes(model, dtype: torch.dtype | None = None) -> int:

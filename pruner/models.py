@@ -127,6 +127,11 @@ def _from_hub(load, name_or_path: str, what: str):
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    path = resolve(name_or_path)
+    if Path(path).exists() and _is_per_layer(path):  # AutoTokenizer would ask to run the folder's model code
+        from pruner import compact
+
+        return AutoTokenizer.from_pretrained(path, config=compact.load_config(path))
     return _from_hub(AutoTokenizer.from_pretrained, name_or_path, "tokenizer")
 
 
@@ -161,9 +166,16 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     from transformers.utils import logging as hf_logging
 
     path = resolve(name_or_path)
+    if Path(path).exists() and _is_per_layer(path):
+        return load_pruner_format(path, dtype=dtype, device=device, device_map=device_map,
+                                  attn_implementation=attn_implementation)
     overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
     config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
     cls = auto_class(config)
+    if Path(path).exists():  # an edited config.json (head counts) is one line here, not a reload failure
+        from pruner import compact
+
+        compact.check_weights(lambda: cls.from_config(config), Path(path))
     kw = {"device_map": device_map} if device_map else {}
     verbosity = hf_logging.get_verbosity()
     if overrides:  # a variant's new head is missing from its base checkpoint by design
@@ -177,6 +189,25 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
         hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
+
+
+def load_pruner_format(path: str, dtype: str = "float32", device: str = "cpu", device_map: str | None = None,
+                       attn_implementation: str = "sdpa"):
+    """One of pruner's own per-layer checkpoints (`pruner_format` in config.json), built with pruner's packaged
+    modeling classes (pruner.compact / pruner.modeling), never the modeling file in the folder."""
+    from pruner import compact
+
+    model = compact.load(path, dtype=dtype, attn_implementation=attn_implementation,
+                         **({"device_map": device_map} if device_map else {}))
+    check_finite(model, path)
+    return (model if device_map else model.to(device)).eval()
+
+
+def _is_per_layer(folder: str) -> bool:
+    """A pruner per-layer checkpoint (config.json has `pruner_format`): loaded by pruner.compact, no remote code."""
+    import json
+
+    return "pruner_format" in json.loads((Path(folder) / "config.json").read_text())
 
 
 def auto_class(config):
