@@ -31,6 +31,7 @@ class ModelSpec(_Strict):
     device: str = "cpu"
     device_map: str | None = None
     mlm_readout: str | None = Field(default=None, description="'shipped' for all-MiniLM-L6-v2's readout")
+    trust_remote_code: bool = Field(False, description="run Python code shipped with the checkpoint (auto_map)")
 
 
 class DataSpec(_Strict):
@@ -154,6 +155,14 @@ class CaptureSpec(_Strict):
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
 
 
+class CheckpointSpec(_Strict):
+    """How often a run saves its calibration sums and finished evaluations for `--resume`
+    (into its partial folder; removed when the run completes). Either trigger saves."""
+
+    every_seconds: float | None = Field(600, ge=0, description="seconds between saves; null: never by time")
+    every_batches: int | None = Field(None, ge=1, description="batches (or examples) between saves")
+
+
 class Recipe(_Strict):
     model: ModelSpec
     calibration: DataSpec = DataSpec()
@@ -164,6 +173,7 @@ class Recipe(_Strict):
     surgery: SurgerySpec = SurgerySpec()
     export: ExportSpec = ExportSpec()
     capture: CaptureSpec = CaptureSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
     threads: int | None = Field(None, ge=1)
     seed: int = 0
 
@@ -222,11 +232,15 @@ def load_recipe(source: str | Path | dict, overrides: list[str] = ()) -> Recipe:
         if not path.exists():
             raise RecipeError(f"recipe file {path} does not exist")
         try:
-            tree = yaml.safe_load(path.read_text())
+            tree = yaml.safe_load(path.read_text())  # plain data only: never constructs Python objects
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
             why = " ".join(str(getattr(e, "problem", None) or e).split())
+            if isinstance(e, yaml.constructor.ConstructorError) and "tag" in why:
+                tag = why.split("tag", 1)[1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+                raise RecipeError(f"recipe {path}{where}: the tag {tag} is not allowed; a recipe is plain YAML "
+                                  "(mappings, lists, strings, numbers, booleans)") from None
             raise RecipeError(f"recipe {path} is not valid YAML{where}: {why}") from None
     if not isinstance(tree, dict):
         raise RecipeError("a recipe must be a YAML mapping with at least a `model:` section")
