@@ -96,6 +96,9 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
         total = saved["total"]
     was_training = model.training
     model.eval()
+    weights = [p for p in model.parameters() if p.requires_grad]
+    for p in weights:  # only xi's gradient is read: no weight gradients (a model-sized buffer)
+        p.requires_grad_(False)
     try:
         it = mine[done:]
         it = tqdm(it, total=len(mine), initial=done, desc="gradient", unit="window") if progress else it
@@ -110,6 +113,8 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     finally:
         for h in hooks:
             h.remove()
+        for p in weights:
+            p.requires_grad_(True)
         model.train(was_training)
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)

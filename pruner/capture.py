@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from pruner import arch, distributed, resume
 from pruner import stats as st
 from pruner.data import TokenBatch
-from pruner.models import forward, input_device
+from pruner.models import forward, forward_parameters, input_device
 from pruner.sinks import SinkSpec, relative_positions, sink_mask
 
 IMPL = "pruner_capture"
@@ -146,6 +146,8 @@ class Capture:
         it = itertools.islice(batch.batches(batch_size), done, None)
         if progress:
             it = tqdm(it, total=n_batches, initial=done, desc="capture", unit="batch")
+        # capture reads attention and hidden states, never the logits: (B, T, vocab) floats not computed
+        no_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(type(self.model)) else {}
         for k, b in enumerate(it, start=done + 1):
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
             if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
@@ -155,7 +157,7 @@ class Capture:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
             self._batch = (mask2d, sink, mask2d.bool() & ~sink)
             try:
-                out = forward(self.model, ids, mask2d, output_hidden_states=self.config.outputs)
+                out = forward(self.model, ids, mask2d, output_hidden_states=self.config.outputs, **no_logits)
                 if self._kept:
                     self._fold_across_layers()
             finally:

@@ -8,6 +8,8 @@ pretrained encoder can be measured before and after pruning.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import torch
@@ -246,9 +248,21 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+@functools.lru_cache(maxsize=None)
+def forward_parameters(cls) -> frozenset[str]:
+    """The keyword arguments a model class's forward takes by name."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model."""
+    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model.
+
+    No KV cache: pruner never generates, and a cache would keep every layer's keys and
+    values alive until the pass returns (GPT-2 small, 8 x 1024 tokens: 0.6 GiB).
+    """
     device = input_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if "use_cache" in forward_parameters(type(model)):
+        kwargs.setdefault("use_cache", False)
     return model(input_ids=input_ids, attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask), **kwargs)
