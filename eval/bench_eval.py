@@ -5,7 +5,7 @@
 On each model, the same windows / samples, `--threads` torch threads, repeats
 interleaved round-robin (a shared machine's load falls on every case alike),
 median wall time after a warm-up round:
-  perplexity   `pruner.evaluate.window_scores` over the evaluation windows (forward,
+  perplexity   `pruner.perplexity.window_scores` over the evaluation windows (forward,
                float32 log-softmax, token-weighted NLL), vs
   forward      plain forward passes over the same batches (logits, nothing else):
                tokens/s of both, and their ratio;
@@ -40,7 +40,7 @@ def setup(name: str, n_windows: int, n_calib: int):
     import torch
 
     from pruner import data, models
-    from pruner.evaluate import EvalWindows, sliding_windows
+    from pruner.perplexity import EvalWindows, sliding_windows
 
     if name == "gpt2-small-random":
         import transformers as tf
@@ -63,7 +63,7 @@ def bench_model(name: str, args) -> dict:
 
     from pruner.calibrate import calibrate, gradient_importance
     from pruner.capture import CaptureConfig
-    from pruner.evaluate import window_scores
+    from pruner.perplexity import window_scores
     from pruner.models import forward
     from pruner.sinks import SinkSpec
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pruner import arch, assets, data, models, surgery  # noqa: E402
 from pruner.calibrate import calibrate  # noqa: E402
 from pruner.capture import CaptureConfig  # noqa: E402
-from pruner.evaluate import paired_delta, sliding_windows, window_nll  # noqa: E402
+from pruner.perplexity import paired_delta, sliding_windows, window_nll  # noqa: E402
 from pruner.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact  # noqa: E402
 from pruner.selection import SelectionConfig, select  # noqa: E402
 from pruner.sinks import SinkSpec  # noqa: E402

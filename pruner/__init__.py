@@ -1,3 +1,26 @@
-"""pruner: sink-aware attention-head pruning for Hugging Face transformers."""
+"""pruner: sink-aware attention-head pruning for Hugging Face transformers.
+
+The public Python API (see the README's "Python" section); everything else is internal:
+
+    plan, apply, prune, compare, analyze, evaluate, load, export_run
+    Plan, Result, Comparison, Analysis, Evaluation, Recipe, RecipeError
+
+Imported lazily, so `import pruner` and `pruner --help` stay fast.
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
+           "Plan", "Result", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from pruner import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'pruner' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -291,7 +291,7 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
     base_text = f"[`{base}`](https://huggingface.co/{base})" if base else \
         f"`{r.model.path}` (pruner's shipped checkpoint, not on the Hub)" if r.model.path in assets.CHECKPOINTS \
         else f"`{r.model.path}`"
-    conv = f", {m['convention']} convention" if m["convention"] else ""
+    conv = f", {report.convention_phrase(m)}" if m["convention"] else ""
     fmt_text = {
         "dense": "**dense**: the pruned heads' output-projection columns are zero and every shape is the "
                  "base model's, so it loads wherever the base loads (no memory or speed gain by itself).",

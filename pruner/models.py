@@ -97,6 +97,22 @@ def resolve(name_or_path: str) -> str:
     return name_or_path  # a Hub id: transformers fetches it (needs the network)
 
 
+def shipped_name(path: str) -> str | None:
+    """The shipped checkpoint name of a folder (`pruner.load("minilm-causal").name_or_path` -> "minilm-causal")."""
+    if not path:
+        return None
+    try:
+        folder = Path(path).resolve()
+    except OSError:
+        return None
+    try:
+        if folder == assets.minilm().resolve():
+            return "minilm"
+    except ImportError:  # all-MiniLM-L6-v2's package is an optional extra
+        pass
+    return next((name for name, sub in assets.CHECKPOINTS.items() if folder == (assets.MODELS / sub).resolve()), None)
+
+
 def _from_hub(load, name_or_path: str, what: str):
     """Call `load(path)`; a Hub id that cannot be fetched becomes one clear OSError."""
     path = resolve(name_or_path)

@@ -1,24 +1,26 @@
-"""The driver: calibrate -> score -> select -> prune -> evaluate -> save. No logic of its own.
+"""The stages in order: prepare -> calibrate -> select -> compensate -> evaluate -> prune. No logic of its own.
 
-`run(recipe, out)` is `pruner prune`; `compare(...)` is `pruner compare`: one
-calibration pass shared by every scorer, every scorer x sparsity x compensation
-evaluated with a scoped mask on the same evaluation windows.
+A `Session` holds what every stage shares (the model, its tokenizer, the
+calibration samples, the evaluation windows), built once from a validated
+recipe and, for the Python API, from objects the caller already holds: a model
+in memory, a tokenizer, texts. `run` is `pruner prune`, `compare` is
+`pruner compare`; `pruner.api` and the command line both call these, so the two
+cannot drift.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from tqdm.auto import tqdm
 
-from pruner import arch, data, distributed, export, models, surgery
+from pruner import arch, data, distributed, models, surgery
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, resolve_auto_sinks
-from pruner.evaluate import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
+from pruner.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
                              window_scores)
 from pruner.recipe import Recipe
 from pruner.scoring import ScoringInputs, get_scorer
@@ -28,7 +30,11 @@ from pruner.sinks import SinkSpec, check_content, default_spec
 
 @dataclass
 class Session:
-    """What every stage shares: the loaded model and data, built once."""
+    """What every stage shares: the model, tokenizer and samples, built once.
+
+    `evaluation` (the windows perplexity is measured on) is built on first use, so
+    planning alone never reads the evaluation text.
+    """
 
     recipe: Recipe
     model: object
@@ -36,40 +42,63 @@ class Session:
     causal: bool
     sinks: SinkSpec
     calibration: data.TokenBatch
-    evaluation: EvalWindows
+    evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
+    _evaluation: EvalWindows | None = field(default=None, repr=False)
+
+    @property
+    def evaluation(self) -> EvalWindows:
+        if self._evaluation is None:
+            self._evaluation = evaluation_windows(self.recipe, self.model, self.tokenizer, self.causal,
+                                                  self.evaluation_texts)
+        return self._evaluation
 
 
 def _source(spec) -> data.TextSource:
     return data.TextSource(spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
 
 
-def prepare(recipe: Recipe, progress: bool = True) -> Session:
-    """Load the model, tokenizer, calibration samples and evaluation windows."""
+def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
+    """Decoders: strided perplexity windows; encoders: lines with a fixed masking (needs an MLM head)."""
+    ev = recipe.evaluation
+    texts = texts if texts is not None else data.load_texts(_source(ev))
+    if causal:
+        return sliding_windows(tokenizer, texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
+    if not hasattr(model, "cls"):
+        raise ValueError(f"{recipe.model.path}: masked-token perplexity needs a masked-LM head "
+                         "(set model.mlm_readout: shipped for all-MiniLM-L6-v2)")
+    return masked_lines(tokenizer, texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
+
+
+def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
+            calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
+            evaluation: bool = True) -> Session:
+    """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
+
+    `model`/`tokenizer` default to what `recipe.model` names; texts default to the
+    recipe's data sources. With `evaluation`, the evaluation windows are built now,
+    so unusable evaluation text fails before any calibration compute.
+    """
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     m = recipe.model
-    model = models.load_base(m, device=distributed.local_device(m.device))
+    if model is None:
+        model = models.load_base(m, device=distributed.local_device(m.device))
     arch.adapter_for(model)  # unsupported architecture: fail before any compute
-    tok = models.load_tokenizer(m.path)
+    tok = tokenizer if tokenizer is not None else models.load_tokenizer(m.path)
     causal = models.attends_causally(model)
-    cal, ev = recipe.calibration, recipe.evaluation
-    batch = data.samples(tok, data.load_texts(_source(cal)), cal.unit, cal.length, bos=cal.bos,
-                         num_samples=cal.num_samples, seed=cal.seed)
-    ev_texts = data.load_texts(_source(ev))
-    if causal:
-        windows = sliding_windows(tok, ev_texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
-    else:
-        if not hasattr(model, "cls"):
-            raise ValueError(f"{m.path}: masked-token perplexity needs a masked-LM head "
-                             "(set model.mlm_readout: shipped for all-MiniLM-L6-v2)")
-        windows = masked_lines(tok, ev_texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
+    cal = recipe.calibration
+    texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
+    batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
     s = recipe.sinks
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
+    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts)
+    if evaluation:
+        session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
     if spec.mode == "auto":
-        spec = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size)
-    check_content(batch.input_ids, batch.attention_mask, spec, tok)
-    return Session(recipe, model, tok, causal, spec, batch, windows)
+        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size)
+    check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
+    return session
 
 
 def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> ScoringInputs:
@@ -81,10 +110,51 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> S
                      seed=r.selection.seed, progress=progress)
 
 
-def _selection_config(recipe: Recipe, target: float | None = None) -> SelectionConfig:
+def selection_config(recipe: Recipe, target: float | None = None, budget: str | None = None,
+                     gqa: str | None = None) -> SelectionConfig:
     s = recipe.selection
-    return SelectionConfig(target=s.target if target is None else target, budget=s.budget,
-                           min_heads_per_layer=s.min_heads_per_layer, gqa=s.gqa)
+    return SelectionConfig(target=s.target if target is None else target, budget=budget or s.budget,
+                           min_heads_per_layer=s.min_heads_per_layer, gqa=gqa or s.gqa)
+
+
+def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: bool = True) -> Plan:
+    """Calibrate (unless `inputs` are given) and select the heads the recipe asks for; nothing is changed.
+
+    The plan carries its calibration (for compensation) and its convention
+    sensitivity: for a redundancy scorer, how many selected heads change under the
+    other convention; for any other scorer, the same figure for the naive cosine
+    plan at the same target, labelled as such.
+    """
+    recipe = session.recipe
+    scorer = get_scorer(recipe.scorer.name)
+    geom = arch.geometry(session.model)
+    cfg = selection_config(recipe)
+    check_target(geom, cfg)  # an impossible target fails before any calibration compute
+    if inputs is None:
+        inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
+    plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
+    sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
+    if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
+        naive = get_scorer("cosine")
+        sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
+    return replace(plan, geometry=geom, sensitivity=sens, sink_mass=inputs.stats.sink_mass,
+                   calibration=inputs)
+
+
+def compensation_bias(model, plan_heads: dict[int, list[int]], kind: str, inputs: ScoringInputs | None):
+    """The folded compensation for `kind` (None for `zero`); needs the calibration's output moments."""
+    if kind == "zero":
+        return None
+    if inputs is None:
+        raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
+                         "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
+                         "this model, or use compensation='zero'")
+    return surgery.compensation_bias(model, plan_heads, inputs.stats.outputs)
+
+
+def apply(model, heads: dict[int, list[int]], bias, mode: str) -> None:
+    """Permanent surgery: `mask` keeps every shape, `remove` slices the heads out."""
+    (surgery.remove_heads if mode == "remove" else surgery.mask_heads)(model, heads, bias)
 
 
 def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], bias, base) -> dict:
@@ -107,34 +177,33 @@ def base_metrics(session: Session, progress: bool = True) -> dict:
     return {"nll": (nll, count), "emb": emb}
 
 
-def compare(recipe: Recipe, scorers: list[str], sparsities: list[float], compensations: list[str],
+def compare(session: Session, scorers: list[str], sparsities: list[float], compensations: list[str],
+            budgets: list[str] | None = None, gqa_modes: list[str] | None = None,
             progress: bool = True) -> list[dict]:
-    """Every scorer x sparsity x compensation on the same windows; one calibration pass."""
-    from tqdm.auto import tqdm
-
+    """Every scorer x sparsity x budget x GQA mode x compensation on the same windows; one calibration pass."""
     for name in scorers:
         get_scorer(name)
-    session = prepare(recipe, progress)
-    inputs = scoring_inputs(session, gradient="gradient" in scorers, progress=progress)
+    recipe = session.recipe
+    budgets = budgets or [recipe.selection.budget]
+    gqa_modes = gqa_modes or [recipe.selection.gqa]
+    inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress)
     base = base_metrics(session, progress)
     geom = arch.geometry(session.model)
     records = []
-    jobs = [(s, p) for s in scorers for p in sparsities]
-    for name, target in (tqdm(jobs, desc="compare", unit="plan") if progress else jobs):
+    jobs = [(s, p, b, g) for s in scorers for p in sparsities for b in budgets for g in gqa_modes]
+    for name, target, budget, gqa in (tqdm(jobs, desc="compare", unit="plan") if progress else jobs):
         scorer = get_scorer(name)
+        key = {"scorer": name, "sparsity": target, "budget": budget, "gqa": gqa}
         try:
-            plan = select(scorer, inputs, geom, _selection_config(recipe, target))
+            plan = select(scorer, inputs, geom, selection_config(recipe, target, budget, gqa))
         except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
-            records += [{"scorer": name, "sparsity": target, "compensation": c, "error": str(e)}
-                        for c in compensations]
+            records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
             continue
         for comp in compensations:
-            bias = surgery.compensation_bias(session.model, plan.heads, inputs.stats.outputs) \
-                if comp == "mean" else None
+            bias = compensation_bias(session.model, plan.heads, comp, inputs)
             m = evaluate_plan(session, plan.heads, bias, base)
-            records.append({"scorer": name, "sparsity": target, "compensation": comp,
-                            "pruned_heads": len(plan.entries), "heads": {str(k): v for k, v in plan.heads.items()},
-                            **m})
+            records.append({**key, "compensation": comp, "pruned_heads": len(plan.entries),
+                            "heads": {str(k): v for k, v in plan.heads.items()}, **m})
     return records
 
 
@@ -142,40 +211,28 @@ def compare(recipe: Recipe, scorers: list[str], sparsities: list[float], compens
 class RunResult:
     plan: Plan
     metrics: dict
-    out: Path
     model: object
     tokenizer: object
     bias: dict[int, torch.Tensor] | None  # folded mean compensation, {layer: (d_model,)}; None for `zero`
+    recipe: Recipe | None = None
 
 
-def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
-    """`pruner prune`: calibrate, score, select, prune, evaluate, save."""
+def run(session: Session, progress: bool = True) -> RunResult:
+    """`pruner prune`: calibrate, score, select, evaluate (scoped mask), then prune the model in place."""
     t0 = time.time()
-    session = prepare(recipe, progress)
-    scorer = get_scorer(recipe.scorer.name)
-    geom = arch.geometry(session.model)
-    cfg = _selection_config(recipe)
-    check_target(geom, cfg)  # an impossible target fails before any calibration compute
-    inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
-    plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
-    sens_of = scorer.name if plan.convention else "cosine"
-    sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
-    if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
-        naive = get_scorer(sens_of)
-        sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
+    recipe, model = session.recipe, session.model
+    plan = make_plan(session, progress=progress)
     base = base_metrics(session, progress)
-    model = session.model
     params_before = sum(p.numel() for p in model.parameters())
     latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
-    bias = surgery.compensation_bias(model, plan.heads, inputs.stats.outputs) \
-        if recipe.surgery.compensation == "mean" else None
+    bias = compensation_bias(model, plan.heads, recipe.surgery.compensation, plan.calibration)
     m = evaluate_plan(session, plan.heads, bias, base)  # scoped mask: same numbers as the surgery below
-    if recipe.surgery.mode == "remove":
-        surgery.remove_heads(model, plan.heads, bias)
-    else:
-        surgery.mask_heads(model, plan.heads, bias)
+    apply(model, plan.heads, bias, recipe.surgery.mode)
+    geom = plan.geometry
+    scorer = get_scorer(plan.scorer)
     metrics = {
-        "model": recipe.model.path, "scorer": scorer.name, "convention": plan.convention,
+        "model": recipe.model.path, "scorer": plan.scorer,
+        "convention": plan.convention or scorer.reads,
         "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
         "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
@@ -183,26 +240,19 @@ def run(recipe: Recipe, out: Path, progress: bool = True) -> RunResult:
         "params_after": sum(p.numel() for p in model.parameters()),
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
-        "convention_sensitivity": {**asdict(sens), "scorer": sens_of},
+        "convention_sensitivity": sensitivity_record(plan),
         "seconds": round(time.time() - t0, 1),
     }
-    return RunResult(plan, metrics, out, model, session.tokenizer, bias)
+    return RunResult(plan, metrics, model, session.tokenizer, bias, recipe)
 
 
-def save_model(result: RunResult, folder: Path) -> None:
-    """Save the pruned model where vanilla `from_pretrained` can load it (reload-checked), or say why not."""
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        export.save_checkpoint(result.model, result.tokenizer, folder, removed=result.metrics["surgery"] == "remove")
-    except export.ExportError as e:
-        for f in folder.iterdir():  # nothing half-written next to the note
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
-        (folder / "NOT_SAVED.txt").write_text(
-            f"This pruned model was not saved as a vanilla transformers checkpoint. {e}\n")
-        result.metrics["model_saved"] = False
-        result.metrics["model_not_saved_because"] = str(e)
-        return
-    result.metrics["model_saved"] = True
+def sensitivity_record(plan: Plan) -> dict | None:
+    """metrics.json's convention sensitivity, saying whose plan it is (this one, or the naive cosine one)."""
+    sens = plan.sensitivity
+    if sens is None:
+        return None
+    own = plan.convention is not None
+    return {**asdict(sens), "scorer": plan.scorer if own else "cosine", "of_this_plan": own}
 
 
 def to_jsonable(x):

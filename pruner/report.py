@@ -26,19 +26,35 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _variants(records: list[dict]) -> list[str]:
+    """The selection axes a comparison varies besides scorer and sparsity (`budget`, `gqa`)."""
+    return [k for k in ("budget", "gqa") if len({r.get(k) for r in records}) > 1]
+
+
+def row_label(r: dict, variants: list[str]) -> str:
+    """`scorer`, or `scorer (layer budget, gqa group)` when the comparison varies those axes."""
+    extra = ", ".join(f"{r[k]} budget" if k == "budget" else f"gqa {r[k]}" for k in variants)
+    return f"{r['scorer']} ({extra})" if extra else r["scorer"]
+
+
+def compensations(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["compensation"] for r in records))
+
+
 def compare_table(records: list[dict]) -> str:
-    """Rows: scorer; columns: sparsity x compensation, cells: +dPPL [CI]."""
+    """Rows: scorer (x budget x GQA mode when compared); columns: compensation x sparsity; cells: +dPPL [CI]."""
     sparsities = sorted({r["sparsity"] for r in records})
-    comps = [c for c in ("zero", "mean") if any(r["compensation"] == c for r in records)]
-    scorers = list(dict.fromkeys(r["scorer"] for r in records))
-    cell = {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records}
+    comps = compensations(records)
+    variants = _variants(records)
+    labels = list(dict.fromkeys(row_label(r, variants) for r in records))
+    cell = {(row_label(r, variants), r["sparsity"], r["compensation"]): r for r in records}
     header = ["scorer"] + [f"{c} @ {s:g}" for c in comps for s in sparsities]
     rows = []
-    for name in scorers:
-        row = [name]
+    for label in labels:
+        row = [label]
         for c in comps:
             for s in sparsities:
-                r = cell.get((name, s, c))
+                r = cell.get((label, s, c))
                 if r is None or "error" in r:
                     row.append("n/a")
                 else:
@@ -46,7 +62,8 @@ def compare_table(records: list[dict]) -> str:
         rows.append(row)
     ok = [r for r in records if "error" not in r]
     base = ok[0]["base"] if ok else float("nan")
-    notes = sorted({f"- n/a at {r['sparsity']:g}: {r['error']}" for r in records if "error" in r})
+    notes = sorted({f"- n/a for {row_label(r, variants)} at {r['sparsity']:g}: {r['error']}"
+                    for r in records if "error" in r})
     return (f"base perplexity {base:.2f}; cells: perplexity change [95% CI]\n\n" + markdown_table(header, rows)
             + ("\n\n" + "\n".join(notes) if notes else ""))
 
@@ -57,15 +74,16 @@ def plot_compare(records: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    comps = [c for c in ("zero", "mean") if any(r["compensation"] == c for r in records)]
+    comps = compensations(records)
+    variants = _variants(records)
     fig, axes = plt.subplots(1, len(comps), figsize=(6 * len(comps), 4.2), squeeze=False, sharey=True)
     for ax, comp in zip(axes[0], comps):
-        for name in dict.fromkeys(r["scorer"] for r in records):
-            rs = sorted((r for r in records if r["scorer"] == name and r["compensation"] == comp
+        for label in dict.fromkeys(row_label(r, variants) for r in records):
+            rs = sorted((r for r in records if row_label(r, variants) == label and r["compensation"] == comp
                          and "error" not in r), key=lambda r: r["sparsity"])
             x = [100 * r["sparsity"] if r["sparsity"] < 1 else r["sparsity"] for r in rs]
-            line, = ax.plot(x, [r["delta"] for r in rs], marker="o", label=name,
-                            lw=2.5 if name == "sink-aware" else 1.2)
+            line, = ax.plot(x, [r["delta"] for r in rs], marker="o", label=label,
+                            lw=2.5 if label.startswith("sink-aware") else 1.2)
             ax.fill_between(x, [r["ci_low"] for r in rs], [r["ci_high"] for r in rs],
                             color=line.get_color(), alpha=0.15)
         ax.set_title(f"compensation: {comp}")
@@ -190,7 +208,8 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
     """compare.json, compare.csv, compare.md, compare.png and the resolved recipe."""
     (folder / "compare.json").write_text(json.dumps(records, indent=1))
     buf = io.StringIO()
-    keys = ["scorer", "sparsity", "compensation", "pruned_heads", "base", "pruned", "delta", "ci_low", "ci_high",
+    keys = ["scorer", "sparsity", "budget", "gqa", "compensation", "pruned_heads", "base", "pruned", "delta",
+            "ci_low", "ci_high",
             "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
@@ -226,10 +245,12 @@ def sensitivity_text(metrics: dict) -> str | None:
     sens = metrics.get("convention_sensitivity")
     if not sens:
         return None
-    return (f"**Convention sensitivity** (`{sens['scorer']}` redundancy plan at the same target): with "
-            f"the {sens['other']} convention instead of {sens['convention']}, {sens['changed']} of the "
-            f"{metrics['pruned_heads']} selected heads would change (only with {sens['convention']}: "
-            f"{sens['only_this']}; only with {sens['other']}: {sens['only_other']}).")
+    whose = ("of this plan" if sens.get("of_this_plan") else
+             f"of a naive `cosine` redundancy plan at the same target, not of the plan pruned here, whose "
+             f"scorer `{metrics['scorer']}` reads {metrics['convention']}")
+    return (f"**Convention sensitivity** ({whose}): with the {sens['other']} convention instead of "
+            f"{sens['convention']}, {sens['changed']} of the {metrics['pruned_heads']} selected heads would change "
+            f"(only with {sens['convention']}: {sens['only_this']}; only with {sens['other']}: {sens['only_other']}).")
 
 
 def plan_table(plan: dict) -> str:
@@ -240,11 +261,19 @@ def plan_table(plan: dict) -> str:
           "" if x["twin_similarity"] is None else x["twin_similarity"]] for x in plan["entries"]])
 
 
+def convention_phrase(metrics: dict) -> str:
+    """`full convention` / `content convention` for redundancy scorers, else what the scorer reads."""
+    c = metrics.get("convention")
+    if not c:
+        return ""
+    return f"{c} convention" if c in ("full", "content") else f"reads {c}"
+
+
 def run_report(metrics: dict, plan_json: str) -> str:
     """A short report.md for one pruning run."""
     lines = [f"# pruner: {metrics['model']}", "",
              f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
-             f"`{metrics['scorer']}`" + (f" ({metrics['convention']} convention)" if metrics["convention"] else "")
+             f"`{metrics['scorer']}`" + (f" ({convention_phrase(metrics)})" if metrics["convention"] else "")
              + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
              result_table(metrics), ""]
     sens = sensitivity_text(metrics)

@@ -41,6 +41,7 @@ class Scorer:
     needs_gradient: bool = False
     convention: str | None = None  # the convention a redundancy scorer compares heads under
     doc: str = ""
+    reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
 
     def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
         return self.fn(inputs, alive, convention or self.convention)
@@ -171,16 +172,18 @@ def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
-               "relative to the residual stream"),
+               "relative to the residual stream", reads="sink and content channels separated (no convention)"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
            doc="greedy redundancy on full rows (sink included): the naive baseline"),
     Scorer("content-cosine", _redundancy, adaptive=True, convention=cp.CONTENT,
            doc="greedy redundancy on content rows only (sink separated, then ignored)"),
-    Scorer("entropy", _entropy, doc="full-row attention entropy, lowest first"),
-    Scorer("gradient", _gradient, needs_gradient=True, doc="Michel et al. 2019: E|dL/d mask_h|"),
-    Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices"),
-    Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm"),
-    Scorer("random", _random, doc="seeded uniform"),
+    Scorer("entropy", _entropy, doc="full-row attention entropy, lowest first", reads="full rows (sink included)"),
+    Scorer("gradient", _gradient, needs_gradient=True, doc="Michel et al. 2019: E|dL/d mask_h|",
+           reads="loss gradients (no attention rows)"),
+    Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices", reads="weights (no attention rows)"),
+    Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm",
+           reads="head outputs (no attention rows)"),
+    Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
 ]}
 
 

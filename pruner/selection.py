@@ -53,17 +53,35 @@ class PlanEntry:
 
 @dataclass(frozen=True)
 class Plan:
+    """Which heads to prune, in selection order, and what the selection saw.
+
+    `entries` (score, sink mass and nearest surviving twin of every pruned head)
+    is what plan.json holds. A plan made by `pruner.plan` also carries the model's
+    geometry, the convention sensitivity, every head's sink mass and the calibration
+    it was made from (`calibration`, a ScoringInputs: what compensation needs);
+    a plan read back from plan.json has none of those.
+    """
+
     scorer: str
     convention: str | None
     target: int
     entries: list[PlanEntry] = field(default_factory=list)
+    geometry: Geometry | None = field(default=None, compare=False)
+    sensitivity: "Sensitivity | None" = field(default=None, compare=False)
+    sink_mass: torch.Tensor | None = field(default=None, compare=False, repr=False)  # (layer, head)
+    calibration: ScoringInputs | None = field(default=None, compare=False, repr=False)
 
     @property
     def heads(self) -> dict[int, list[int]]:
+        """{layer: [head, ...]}, original head numbering, layers and heads sorted."""
         out: dict[int, list[int]] = {}
         for e in self.entries:
             out.setdefault(e.layer, []).append(e.head)
         return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def to_dict(self) -> dict:
+        """plan.json's content (floats to 10 significant digits)."""
+        return json.loads(self.to_json())
 
     def to_json(self) -> str:
         """Byte-stable JSON: floats to 10 significant digits, because sums over a different
@@ -73,6 +91,25 @@ class Plan:
         return json.dumps({"scorer": self.scorer, "convention": self.convention, "target": self.target,
                            "pruned": len(self.entries), "heads": {str(k): v for k, v in self.heads.items()},
                            "entries": entries}, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """A plan read back from plan.json (no calibration: `zero` compensation only)."""
+        try:
+            entries = [PlanEntry(**e) for e in d["entries"]]
+            return cls(d["scorer"], d["convention"], d["target"], entries)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a pruner plan (plan.json): {e}") from None
+
+    def __repr__(self) -> str:
+        total = f"/{self.geometry.n_layers * self.geometry.n_heads}" if self.geometry else ""
+        per_layer = ", ".join(f"{k}: {len(v)}" for k, v in self.heads.items())
+        conv = f", {self.convention} convention" if self.convention else ""
+        sens = ""
+        if self.sensitivity is not None:
+            whose = "" if self.convention else " (of the cosine plan)"
+            sens = f"; {self.sensitivity.changed} heads change under the other convention{whose}"
+        return f"Plan({self.scorer}{conv}: {len(self.entries)}{total} heads; per layer {{{per_layer}}}{sens})"
 
 
 def _units(alive: torch.Tensor, scores: torch.Tensor, geom: Geometry, cfg: SelectionConfig,

@@ -53,6 +53,25 @@ def default_spec(causal: bool) -> SinkSpec:
     return SinkSpec("first" if causal else "special")
 
 
+def parse_spec(text: str | None, causal: bool) -> SinkSpec:
+    """`first`, `bos`, `special`, `auto`, `ids:1,2` or `positions:0,1` (None: the default for the model)."""
+    if text is None:
+        return default_spec(causal)
+    mode, _, values = text.partition(":")
+    try:
+        nums = tuple(int(v) for v in values.split(",") if v.strip()) if values else ()
+    except ValueError:
+        raise ValueError(f"invalid sink spec {text!r}: values must be whole numbers, e.g. ids:101,102 "
+                         "or positions:0,1") from None
+    if mode == "ids":
+        return SinkSpec("ids", ids=nums)
+    if mode == "positions":
+        return SinkSpec("positions", positions=nums)
+    if values:
+        raise ValueError(f"sink mode {mode!r} takes no values")
+    return SinkSpec(mode)
+
+
 def relative_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token counted from the first non-pad token. (batch, k_pos); pads < 0."""
     mask = attention_mask.bool()

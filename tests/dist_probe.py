@@ -26,7 +26,7 @@ def main() -> None:
     from pruner import arch, distributed
     from pruner.calibrate import calibrate
     from pruner.data import pad
-    from pruner.evaluate import EvalWindows, window_nll
+    from pruner.perplexity import EvalWindows, window_nll
     from pruner.scoring import get_scorer
     from pruner.selection import SelectionConfig, select
     from pruner.sinks import SinkSpec

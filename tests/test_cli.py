@@ -97,7 +97,7 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from pruner import models
-    from pruner.evaluate import perplexity, sliding_windows, window_nll
+    from pruner.perplexity import perplexity, sliding_windows, window_nll
     from pruner.data import TextSource, load_texts
 
     out = tmp_path / "llama"
@@ -202,3 +202,26 @@ def test_analyze_compare_to_needs_the_same_tokenizer(tmp_path, capsys):
                "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
     assert rc == 2 and "same tokenizer" in err and not (tmp_path / "x").exists()
+
+
+def test_compare_puts_budget_and_gqa_mode_on_its_axes(tmp_path, capsys):
+    """`--budgets` and `--gqa`: what the vanilla-compatible uniform budget and KV-group pruning cost."""
+    out = tmp_path / "axes"
+    rc = main(["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out), "--scorers",
+               "sink-aware", "--sparsities", "0.5", "--budgets", "layer,global", "--gqa", "equal,group",
+               "--compensation", "zero"] + QUICK)
+    assert rc == 0
+    records = json.loads((out / "compare.json").read_text())
+    assert {(r["budget"], r["gqa"]) for r in records} == {(b, g) for b in ("layer", "global")
+                                                           for g in ("equal", "group")}
+    for r in records:
+        per_layer = [len(v) for v in r["heads"].values()]
+        if r["budget"] == "layer":
+            assert per_layer == [4, 4, 4, 4]
+        if r["gqa"] == "group":  # whole KV groups of 4 query heads
+            assert all(n % 4 == 0 for n in per_layer)
+    table = capsys.readouterr().out
+    assert "sink-aware (layer budget, gqa group)" in table and "sink-aware (global budget, gqa equal)" in table
+    assert main(["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(tmp_path / "bad"),
+                 "--budgets", "layer,uniform"] + QUICK) == 2
+    assert "unknown budget ['uniform']; valid: global, layer" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_minilm_causal_has_real_sinks():
 def test_minilm_readout_gives_a_real_masked_lm(minilm_tokenizer):
     """The shipped readout turns the frozen encoder into a masked LM far better than chance or
     than an untrained readout (its reference.json reports the full evaluation number)."""
-    from pruner.evaluate import masked_lines, perplexity, window_nll
+    from pruner.perplexity import masked_lines, perplexity, window_nll
 
     lines = masked_lines(minilm_tokenizer, load_texts(TextSource("shakespeare:evaluation")), 48,
                          num_samples=64, seed=0)

@@ -45,7 +45,7 @@ def test_device_map_auto_gives_the_same_statistics_and_nll():
     before merging) rather than a real split; those paths are device-agnostic.
     """
     from pruner import data, models
-    from pruner.evaluate import sliding_windows, window_nll
+    from pruner.perplexity import sliding_windows, window_nll
 
     tok = models.load_tokenizer("gpt2-shakespeare")
     texts = data.load_texts(data.TextSource("shakespeare:evaluation"))

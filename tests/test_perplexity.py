@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pruner.evaluate import paired_delta, perplexity, sliding_windows, window_nll
+from pruner.perplexity import paired_delta, perplexity, sliding_windows, window_nll
 from tiny import tiny_model
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,488 @@
+"""The Python API: prune, compare and analyze a model you already hold, from a notebook or a script.
+
+    import pruner
+    plan = pruner.plan(model, tokenizer, texts, scorer="sink-aware", target=0.25)   # nothing changed yet
+    pruner.apply(model, plan, compensation="mean", mode="remove")                    # in place
+    result = pruner.prune(model, tokenizer, texts, target=0.25)                      # plan + apply + evaluate
+
+Every function takes the model as an object (built in memory, fine-tuned,
+wrapped: anything with a supported architecture) or as what a recipe's
+`model.path` names (a shipped name, a local folder, a Hub id). Options are named
+as the recipes name them: a recipe file, dict or `Recipe` (`recipe=`), API
+keywords (`target=0.25`, `compensation="mean"`: `pruner.recipe.ALIASES`), whole
+sections (`selection={"budget": "layer"}`) or dotted keys
+(`**{"selection.gqa": "group"}`), all validated by the one recipe model with the
+command line's one-line errors. The command line is a thin shell over these
+functions, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pruner import arch, export, models, pipeline, report, runs
+from pruner.recipe import AnalyzeSpec, Recipe, RecipeError, build_recipe, validate_section
+from pruner.selection import Plan
+
+IN_MEMORY = "(in memory)"
+
+
+# --------------------------------------------------------------------------- arguments -> recipe + objects
+
+def _is_texts(data) -> bool:
+    return isinstance(data, (list, tuple)) or hasattr(data, "column_names")  # texts, or a datasets.Dataset
+
+
+def _texts(data, column: str) -> list[str]:
+    """Texts given in memory: a list of strings or a `datasets.Dataset` (its `column`)."""
+    if hasattr(data, "column_names"):
+        if column not in data.column_names:
+            raise ValueError(f"the dataset has no column {column!r}; columns: {', '.join(data.column_names)} "
+                             "(set calibration.text_column)")
+        data = data[column]
+    texts = [t for t in data if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise ValueError("no text given: pass a non-empty list of strings, a datasets.Dataset or a data source "
+                         "such as 'shakespeare:calibration' or a local .txt file/folder")
+    return texts
+
+
+@dataclass
+class _Call:
+    """One API call resolved: the validated recipe and the objects and texts given in memory."""
+
+    recipe: Recipe
+    model: Any = None
+    tokenizer: Any = None
+    calibration_texts: list[str] | None = None
+    evaluation_texts: list[str] | None = None
+
+    def session(self, progress: bool, evaluation: bool = True) -> pipeline.Session:
+        return pipeline.prepare(self.recipe, progress, model=self.model, tokenizer=self.tokenizer,
+                                calibration_texts=self.calibration_texts,
+                                evaluation_texts=self.evaluation_texts, evaluation=evaluation)
+
+
+def _resolve(model, tokenizer, data, recipe, overrides: dict, eval_data=None,
+             cli_overrides: list[str] = ()) -> _Call:
+    """Model, tokenizer, data and options -> one validated recipe plus what is held in memory."""
+    values = dict(overrides)
+    held = None
+    if isinstance(model, (str, Path)):
+        values["model.path"] = str(model)
+    elif model is not None:
+        held = model
+        arch.adapter_for(held)  # unsupported architecture: say so before anything else
+    for key, given in (("calibration.data", data), ("evaluation.data", eval_data)):
+        if isinstance(given, (str, Path)):
+            values[key] = str(given)
+    tree = recipe if recipe is not None else {}
+    if held is not None and not _names_model(tree):
+        values.setdefault("model.path", _name(held))
+    r = build_recipe(tree, values, cli_overrides)
+    tok = tokenizer
+    if held is not None and tok is None:
+        if r.model.path == IN_MEMORY:
+            raise ValueError("pass the tokenizer: a model built in memory names no folder to load one from")
+        tok = models.load_tokenizer(r.model.path)
+    cal = _texts(data, r.calibration.text_column) if _is_texts(data) else None
+    ev = _texts(eval_data, r.evaluation.text_column) if _is_texts(eval_data) else None
+    return _Call(r, held, tok, cal, ev)
+
+
+def _name(model) -> str:
+    """What a model object is called in recipes and reports: its shipped name, its folder or Hub id, or
+    "(in memory)" when it was built in memory."""
+    path = getattr(model, "name_or_path", "") or ""
+    return models.shipped_name(path) or path or IN_MEMORY
+
+
+def _names_model(tree) -> bool:
+    if isinstance(tree, Recipe):
+        return True
+    if isinstance(tree, dict):
+        return bool((tree.get("model") or {}).get("path"))
+    return True  # a recipe file: it must name its model (validated)
+
+
+# --------------------------------------------------------------------------- plan / apply / prune
+
+def plan(model=None, tokenizer=None, data=None, *, recipe=None, progress: bool = True, **overrides) -> Plan:
+    """Calibrate and select: which heads to prune, and why. The model is not changed.
+
+    `data`: calibration texts (a list of strings or a `datasets.Dataset`) or a data
+    source (`"shakespeare:calibration"`, a local .txt file or folder, a Hub dataset
+    id). The plan carries its calibration, so `apply` can compensate from it.
+    """
+    call = _resolve(model, tokenizer, data, recipe, overrides)
+    return pipeline.make_plan(call.session(progress, evaluation=False), progress=progress)
+
+
+def apply(model, plan: Plan, compensation: str = "mean", mode: str = "mask"):
+    """Prune `model` in place as `plan` says and return it.
+
+    `mode`: `mask` zeroes the heads' output-projection columns (every shape kept),
+    `remove` slices them out (smaller and faster). `compensation`: `mean` folds each
+    pruned head's mean output over the plan's calibration into the output bias,
+    `zero` does not (the only choice for a plan read back from plan.json).
+    """
+    spec = validate_section("surgery", {"compensation": compensation, "mode": mode})
+    if plan.geometry is not None:
+        geom = arch.geometry(model)
+        if (geom.n_layers, geom.n_heads) != (plan.geometry.n_layers, plan.geometry.n_heads):
+            raise ValueError(f"the plan is for {plan.geometry.n_layers} layers x {plan.geometry.n_heads} heads; "
+                             f"this model has {geom.n_layers} x {geom.n_heads}")
+    bias = pipeline.compensation_bias(model, plan.heads, spec.compensation, plan.calibration)
+    pipeline.apply(model, plan.heads, bias, spec.mode)
+    return model
+
+
+@dataclass
+class Result:
+    """What `prune` did: the pruned model, its plan, and the metrics `pruner prune` writes to metrics.json."""
+
+    model: Any = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    plan: Plan
+    metrics: dict = field(repr=False)
+    recipe: Recipe = field(repr=False)
+    bias: Any = field(default=None, repr=False)  # folded mean compensation {layer: (d_model,)}, None for zero
+
+    def save(self, folder, overwrite: bool = False) -> Path:
+        """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md)."""
+        with report.atomic_dir(Path(folder), overwrite) as tmp:
+            runs.save_run(self, tmp)
+        return Path(folder)
+
+    def __repr__(self) -> str:
+        m, e = self.metrics, self.metrics["evaluation"]
+        return (f"Result({m['model']}: {m['pruned_heads']}/{m['total_heads']} heads pruned by {m['scorer']}, "
+                f"{m['compensation']} compensation, {m['surgery']}; perplexity {e['base']:.2f} -> {e['pruned']:.2f} "
+                f"({e['delta']:+.2f} [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}]))")
+
+
+def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None, progress: bool = True,
+          **overrides) -> Result:
+    """`pruner prune` for a model object: plan, evaluate (paired with the unpruned model), apply in place.
+
+    `eval_data`: evaluation texts or source (default: the recipe's, the shipped
+    evaluation plays). Returns a `Result`; `result.save(folder)` writes the run folder.
+    """
+    call = _resolve(model, tokenizer, data, recipe, overrides, eval_data)
+    return _prune(call, progress)
+
+
+def _prune(call: _Call, progress: bool) -> Result:
+    done = pipeline.run(call.session(progress), progress)
+    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.bias)
+
+
+# --------------------------------------------------------------------------- compare
+
+@dataclass
+class Comparison:
+    """Every scorer x sparsity x compensation (x budget x GQA mode) on the same evaluation windows."""
+
+    records: list[dict] = field(repr=False)
+    recipe: Recipe = field(repr=False)
+
+    def table(self) -> str:
+        """Markdown: perplexity change [95% CI] per scorer (rows) and sparsity x compensation (columns)."""
+        return report.compare_table(self.records)
+
+    def save(self, folder, overwrite: bool = False) -> Path:
+        """compare.json, .csv, .md, .png and the resolved recipe."""
+        with report.atomic_dir(Path(folder), overwrite) as tmp:
+            report.write_compare(self.records, self.recipe, tmp)
+        return Path(folder)
+
+    def __repr__(self) -> str:
+        ok = [r for r in self.records if "error" not in r]
+        if not ok:
+            return f"Comparison({len(self.records)} plans, none feasible)"
+        best = min(ok, key=lambda r: r["delta"])
+        return (f"Comparison({len(ok)} plans on {ok[0]['windows']} windows, base perplexity {ok[0]['base']:.2f}; "
+                f"smallest change {best['delta']:+.2f}: {best['scorer']} @ {best['sparsity']:g}, "
+                f"{best['compensation']})")
+
+
+COMPENSATIONS = ("zero", "mean")
+
+
+def compare(model=None, tokenizer=None, data=None, *, recipe=None, scorers=None, sparsities=(0.1, 0.25, 0.4, 0.5),
+            compensations=("zero", "mean"), budgets=None, gqa=None, eval_data=None, progress: bool = True,
+            **overrides) -> Comparison:
+    """`pruner compare` for a model object: one calibration pass, every combination evaluated with a scoped mask.
+
+    `scorers` default to all registered; `budgets` (`layer`, `global`) and `gqa`
+    (`equal`, `group`) default to the recipe's single choice.
+    """
+    call = _resolve(model, tokenizer, data, recipe, overrides, eval_data)
+    return _compare(call, scorers, sparsities, compensations, budgets, gqa, progress)
+
+
+def _compare(call: _Call, scorers, sparsities, compensations, budgets, gqa, progress: bool) -> Comparison:
+    from pruner.scoring import SCORERS, get_scorer
+
+    scorers = list(scorers or SCORERS)
+    for name in scorers:
+        get_scorer(name)
+    _check_choices("compensation", compensations, COMPENSATIONS)
+    _check_choices("budget", budgets or (), ("global", "layer"))
+    _check_choices("gqa", gqa or (), ("equal", "group"))
+    targets = [_target(t) for t in sparsities]
+    records = pipeline.compare(call.session(progress), scorers, targets, list(compensations),
+                               list(budgets) if budgets else None, list(gqa) if gqa else None, progress)
+    return Comparison(records, call.recipe)
+
+
+def _check_choices(what: str, given, valid: tuple[str, ...]) -> None:
+    bad = [c for c in given if c not in valid]
+    if bad:
+        raise ValueError(f"unknown {what} {bad}; valid: {', '.join(valid)}")
+
+
+def _target(value) -> float:
+    """A sparsity as the recipe's selection.target: a fraction in (0, 1) or a whole head count."""
+    from pruner.recipe import SelectionSpec
+
+    try:
+        return SelectionSpec(target=value).target
+    except Exception:  # noqa: BLE001 - pydantic/ValueError: one message for every bad value
+        raise ValueError(f"sparsity {value!r} is neither a fraction in (0, 1) nor a whole head count") from None
+
+
+# --------------------------------------------------------------------------- analyze
+
+@dataclass
+class Analysis:
+    """The convention audit of one model: the content of analysis.json, plus the statistics behind it.
+
+    Keys of `data` are documented in the README (`pruner analyze`); the common ones
+    are attributes: `heads`, `entropy`, `audit`, `clustering`, `entropy_attribution`.
+    """
+
+    data: dict = field(repr=False)
+    stats: Any = field(default=None, repr=False)      # pruner.stats.HeadStats of the model
+    reference: Any = field(default=None, repr=False)  # of `compare_to`, when given
+
+    heads = property(lambda self: self.data["heads"])
+    entropy = property(lambda self: self.data["entropy"])
+    audit = property(lambda self: self.data["audit"])
+    clustering = property(lambda self: self.data["clustering"])
+    entropy_attribution = property(lambda self: self.data.get("entropy_attribution"))
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    def to_json(self) -> str:
+        return json.dumps(self.data, indent=1) + "\n"
+
+    def figures(self, folder) -> list[str]:
+        """Draw the figures (PNG) into `folder`; returns their file names."""
+        from pruner import analysis_report as ar
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return ar.write_figures(self.data, Path(folder))
+
+    def write(self, folder: Path) -> list[str]:
+        """analysis.json, report.md and the figures into an existing folder; returns the figure names."""
+        from pruner import analysis_report as ar
+
+        (folder / "analysis.json").write_text(self.to_json())
+        figures = self.figures(folder)
+        (folder / "report.md").write_text(ar.report_markdown(self.data, figures))
+        return figures
+
+    def save(self, folder, overwrite: bool = False) -> Path:
+        with report.atomic_dir(Path(folder), overwrite) as tmp:
+            self.write(tmp)
+        return Path(folder)
+
+    def __repr__(self) -> str:
+        d = self.data
+        parts = [f"{m} NN flip {a['overall']['nn_flip_rate']:.2f}, pair-order flip "
+                 f"{a['overall']['pair_order_flip_rate']:.2f}" for m, a in d["audit"].items()]
+        attr = d.get("entropy_attribution")
+        if attr:
+            parts.append(f"entropy change sink share {attr['overall']['sink_share']:.2f}")
+        return f"Analysis({d['model']}: {d['n_layers']}x{d['n_heads']} heads; " + "; ".join(parts) + ")"
+
+
+def _model_and_tokenizer(model, tokenizer):
+    """(model object, tokenizer, name) from an object or a name/path."""
+    if isinstance(model, (str, Path)):
+        return models.load_model(str(model)), tokenizer or models.load_tokenizer(str(model)), str(model)
+    arch.adapter_for(model)
+    if tokenizer is None:
+        raise ValueError("pass the tokenizer with a model object")
+    return model, tokenizer, _name(model)
+
+
+def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), across_layers: bool = False,
+                  progress: bool = True, **options):
+    """Capture per-head statistics of `model` on `data` (what `pruner sinks` prints and `analyze` audits).
+
+    Returns (model, tokenizer, name, HeadStats, samples, unit, sink spec, options).
+    """
+    import torch
+
+    from pruner import data as data_mod
+    from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
+    from pruner.sinks import check_content, parse_spec
+
+    opts = AnalyzeSpec.validated({**options, "metrics": list(metrics)})
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    model, tokenizer, name = _model_and_tokenizer(model, tokenizer)
+    causal = models.attends_causally(model)
+    unit = opts.unit or ("windows" if causal else "lines")
+    texts = _texts(data, "text") if _is_texts(data) else \
+        data_mod.load_texts(data_mod.TextSource(str(data or "shakespeare:evaluation")))
+    batch = data_mod.samples(tokenizer, texts, unit, opts.max_length, bos=opts.bos, num_samples=opts.num_samples,
+                             seed=opts.seed)
+    spec = parse_spec(opts.sinks, causal)
+    if spec.mode == "auto":
+        spec = resolve_auto_sinks(model, batch, tokenizer, eps=spec.eps, batch_size=opts.batch_size)
+        print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
+    check_content(batch.input_ids, batch.attention_mask, spec, tokenizer)
+    config = CaptureConfig(chunk_size=opts.chunk_size, metrics=tuple(opts.metrics), across_layers=across_layers)
+    stats = capture_stats(model, batch, spec, tokenizer, config, batch_size=opts.batch_size, progress=progress)
+    return model, tokenizer, name, stats, batch, unit, spec, opts
+
+
+def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool = True, **options) -> Analysis:
+    """`pruner analyze` for a model object: every head against every head, sink included vs removed.
+
+    Options as the command's flags: `metrics` (default cosine, js), `sinks`, `unit`,
+    `max_length`, `num_samples`, `thresholds` ({metric: t}), `clusters`, `seed`,
+    `batch_size`, `chunk_size`, `bos`, `threads`. `compare_to` (a paired state with
+    the same tokenizer) adds the entropy attribution. `data` defaults to the
+    shipped evaluation plays.
+    """
+    import dataclasses
+
+    from pruner import __version__
+    from pruner import analysis
+    from pruner.capture import CaptureConfig, capture_stats
+
+    options.setdefault("metrics", ["cosine", "js"])
+    AnalyzeSpec.validated(options)  # bad options fail before any model is loaded
+    model, tokenizer, name = _model_and_tokenizer(model, tokenizer)
+    reference = ref_name = None
+    if compare_to is not None:  # checked before any compute
+        reference, ref_tok, ref_name = _model_and_tokenizer(compare_to, tokenizer if not isinstance(
+            compare_to, (str, Path)) else None)
+        _same_tokenizer(tokenizer, ref_tok, (name, ref_name))
+        shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
+        if shape(model) != shape(reference):
+            raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
+                             f"{ref_name} {shape(reference)}")
+    model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
+        model, tokenizer, data, across_layers=True, progress=progress, **options)
+    config = analysis.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
+                                     clusters=opts.clusters, seed=opts.seed)
+    res = {"pruner_version": __version__, "model": name, "compare_to": ref_name,
+           "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
+           "metrics": list(config.metrics),
+           "sinks": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()},
+           "data": {"source": "(in memory)" if _is_texts(data) else str(data or "shakespeare:evaluation"),
+                    "unit": unit, "samples": len(batch), "max_length": opts.max_length, "seed": opts.seed,
+                    "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
+                    "excluded_rows": int(stats.excluded_rows[0])}}
+    res.update(analysis.analyze(stats, config))
+    ref_stats = None
+    if reference is not None:
+        ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
+                                                                                  metrics=()),
+                                  batch_size=opts.batch_size, progress=progress)
+        res["entropy_attribution"] = {"reference": ref_name, **analysis.entropy_attribution(ref_stats, stats),
+                                      "reference_heads": analysis.head_tables(ref_stats)}
+    return Analysis(res, stats, ref_stats)
+
+
+def _same_tokenizer(a, b, names: tuple[str, str]) -> None:
+    if a.get_vocab() != b.get_vocab() or a.all_special_ids != b.all_special_ids:
+        raise ValueError(f"--compare-to needs the same tokenizer (the same token rows): {names[0]} and "
+                         f"{names[1]} tokenise differently")
+
+
+# --------------------------------------------------------------------------- evaluate / load / export
+
+@dataclass
+class Evaluation:
+    """Perplexity of one model on the evaluation windows; paired with a base model when one is given."""
+
+    metrics: dict
+
+    def __repr__(self) -> str:
+        m = self.metrics
+        text = f"Evaluation({m['model']}: perplexity {m['perplexity']:.2f} on {m['windows']} windows"
+        if "delta" in m:
+            text += f"; vs {m['base_model']} {m['base']:.2f}: {m['delta']:+.2f} [{m['ci_low']:+.2f}, {m['ci_high']:+.2f}]"
+        return text + ")"
+
+
+def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progress: bool = True,
+             **overrides) -> Evaluation:
+    """Perplexity of a model object, a shipped name / folder / Hub id, an export, or a run folder.
+
+    A run folder (what `pruner prune` wrote) is rebuilt from its base model and
+    plan and evaluated paired with that base, as `prune` measured it. `base` (a
+    model object or name) pairs any other model with a base on the same windows.
+    `data`: evaluation texts or source (default: the recipe's, the shipped
+    evaluation plays).
+    """
+    from pruner.perplexity import paired_delta, perplexity, window_scores
+
+    if isinstance(model, (str, Path)) and (Path(model) / "plan.json").exists():
+        run = export.load_run(Path(model))
+        recipe = recipe if recipe is not None else run.recipe
+        pruned, tokenizer = export.rebuild(run, "dense")
+        name, base = str(model), base if base is not None else run.recipe.model.path
+        model = pruned
+    else:
+        name = str(model) if isinstance(model, (str, Path)) else _name(model)
+    call = _resolve(model, tokenizer, None, recipe, overrides, eval_data=data)
+    model = call.model if call.model is not None else models.load_base(call.recipe.model)
+    tok = call.tokenizer or models.load_tokenizer(call.recipe.model.path)
+    causal = models.attends_causally(model)
+    windows = pipeline.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
+    ev = call.recipe.evaluation
+    nll, count, _ = window_scores(model, windows, ev.batch_size, progress=progress, causal=causal)
+    out = {"model": name, "perplexity": perplexity(nll, count), "windows": len(windows), "tokens": int(count.sum())}
+    if base is not None:
+        base_model = models.load_base(call.recipe.model.model_copy(update={"path": str(base)})) \
+            if isinstance(base, (str, Path)) else base
+        b_nll, b_count, _ = window_scores(base_model, windows, ev.batch_size, progress=progress, causal=causal)
+        d = paired_delta((b_nll, b_count), (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
+        out.update({"base_model": str(base) if isinstance(base, (str, Path)) else IN_MEMORY, "base": d.base,
+                    "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high})
+    return Evaluation(out)
+
+
+def load(path):
+    """A model pruner wrote (a run's model/, an export) or any supported checkpoint, in eval mode."""
+    return models.load_model(str(path))
+
+
+def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
+               private: bool = False):
+    """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub."""
+    if private and not push_to_hub:
+        raise ValueError("private applies only with push_to_hub")
+    run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / f"export-{format}"
+    if push_to_hub:
+        export.check_repo_id(push_to_hub)  # a malformed repo id fails before anything is read
+    if export.load_run(run_dir).recipe.model.path == IN_MEMORY:
+        raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
+                         f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
+    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private)
+
+
+__all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
+           "Plan", "Result", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]

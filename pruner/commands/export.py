@@ -1,0 +1,40 @@
+"""`pruner export RUN_DIR`: a shareable, reload-checked checkpoint of a run, its model card, and the push."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("export", parents=[common],
+                       help="a shareable checkpoint of a run (dense or compact) + model card; push",
+                       description="Rebuild a run's pruned model from RUN_DIR (recipe.yaml, plan.json, "
+                                   "compensation.safetensors), write it as a vanilla transformers checkpoint "
+                                   "with a model card, check that it reloads, and optionally push it to the Hub.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="output folder of `pruner prune`")
+    p.add_argument("--format", required=True, choices=("dense", "compact"),
+                   help="dense: pruned heads zeroed, original shapes, loads anywhere; compact: heads removed, "
+                        "smaller (only where the config can express it)")
+    p.add_argument("--out", help="export folder (default: RUN_DIR/export-FORMAT)")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
+    p.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
+    p.set_defaults(func=run)
+
+
+def print_export(done, url) -> None:
+    print(f"exported a {done.format} checkpoint: {done.params:,} parameters, {done.bytes / 1e6:.1f} MB of weights; "
+          f"reloads with vanilla transformers (max |logit difference| {done.max_diff:.1e})")
+    print(f"wrote {done.folder}/ (checkpoint, README.md model card, plan.json)")
+    if url:
+        print(f"pushed to {url}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pruner import api
+
+    if args.private and not args.push_to_hub:
+        raise ValueError("--private applies only with --push-to-hub REPO_ID")
+    print_export(*api.export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite,
+                                 push_to_hub=args.push_to_hub, private=args.private))
+    return 0

@@ -1,0 +1,69 @@
+"""`pruner prune RECIPE`: calibrate, score, select, evaluate, prune, save the run folder (and export)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pruner.commands import recipe_args
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("prune", parents=[common], help="calibrate, score, select, prune, evaluate, save",
+                       description="Prune attention heads as a recipe says, and measure the damage.")
+    recipe_args(p, default_out="runs/<recipe name>")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pruner import api, distributed, export, report, runs
+    from pruner.commands.export import print_export
+    from pruner.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set or [])
+    out = Path(args.out or f"runs/{Path(args.recipe).stem}")
+    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
+        api.prune(recipe=recipe, progress=False)
+        return 0
+    with report.atomic_dir(out, args.overwrite) as tmp:
+        result = api.prune(recipe=recipe)
+        runs.save_run(result, tmp)
+    print_summary(result.metrics, out, bool(result.bias))
+    ex = recipe.export
+    if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
+        try:
+            done = export.export_run(out, ex.format, out / f"export-{ex.format}", repo_id=ex.push_to_hub,
+                                     private=ex.private)
+        except export.ExportError as e:
+            raise export.ExportError(f"{e} (the run itself is complete in {out}/)") from None
+        print_export(*done)
+    return 0
+
+
+def print_summary(m: dict, out, compensated: bool) -> None:
+    """What was pruned, what it cost, and whose convention sensitivity is shown."""
+    from pruner import export
+
+    e = m["evaluation"]
+    print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
+          f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
+    print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "
+          f"95% CI [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}], {e['windows']} windows)")
+    if "fidelity" in e:
+        print(f"embedding fidelity (mean cosine to the unpruned model): {e['fidelity']:.4f}")
+    sens = m.get("convention_sensitivity")
+    if sens and sens.get("of_this_plan"):
+        print(f"convention sensitivity: {sens['changed']} of the {m['pruned_heads']} pruned heads change between "
+              f"the {sens['convention']} and {sens['other']} conventions")
+    elif sens:
+        print(f"convention sensitivity of a naive cosine-redundancy plan at the same target (not the plan pruned "
+              f"here, whose scorer reads {m['convention']}): {sens['changed']} of its {m['pruned_heads']} heads "
+              f"change between the {sens['convention']} and {sens['other']} conventions")
+    if not m["model_saved"]:
+        print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
+    elif m["surgery"] == "mask":
+        print("surgery mode `mask`: model/ keeps every shape, so it is no smaller or faster than the base; "
+              "`surgery.mode: remove` (or `pruner export RUN --format compact`) writes a smaller model")
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md"
+          + (f", {export.COMPENSATION_FILE})" if compensated else ")"))
