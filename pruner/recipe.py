@@ -153,6 +153,8 @@ class CaptureSpec(_Strict):
 
     chunk_size: int = Field(128, ge=1)
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
+    memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
+                                                 "the free memory")
 
 
 class CheckpointSpec(_Strict):
@@ -196,6 +198,10 @@ class AnalyzeSpec(_Strict):
     chunk_size: int = Field(128, ge=1)
     bos: bool = True
     threads: int | None = Field(None, ge=1)
+    trust_remote_code: bool = False
+    memory_check: bool = True
+    checkpoint_every_seconds: float | None = Field(600, ge=0)
+    checkpoint_every_batches: int | None = Field(None, ge=1)
 
     @field_validator("metrics")
     @classmethod
@@ -272,7 +278,7 @@ ALIASES = {
     "min_heads_per_layer": "selection.min_heads_per_layer",
     "compensation": "surgery.compensation", "mode": "surgery.mode",
     "sinks": "sinks.mode", "dtype": "model.dtype", "device": "model.device", "device_map": "model.device_map",
-    "threads": "threads", "seed": "seed",
+    "threads": "threads", "seed": "seed", "trust_remote_code": "model.trust_remote_code",
 }
 
 

@@ -141,7 +141,7 @@ def _clear(folder: Path, keep_state: bool) -> None:
 
 
 @contextmanager
-def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False, fingerprint: dict | None = None) -> Iterator[Path]:
+def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False) -> Iterator[Path]:
     """`with atomic_dir(out, overwrite) as tmp:` fill `tmp` = `.NAME.partial` next to `out`; it is
     renamed to `out` when the block ends normally. Existing or unwritable destinations fail on
     entry, before any compute, and so does a partial folder another live run holds (a lock).
@@ -150,9 +150,9 @@ def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False, fingerprint
     then it is kept for `--resume` (the exception gets `pruner_partial = tmp`), whatever the
     error, Ctrl-C included, so the visible `out` is never half-written and no finished work is
     lost. A full disk always removes it (that frees the space) and says so. A SIGKILL leaves
-    `tmp` as it was; the next run with `resume_run` continues from its checkpoints if
-    `fingerprint` matches the one they were made with, and a run without it refuses to
-    discard them unless `overwrite`.
+    `tmp` as it was; the next run with `resume_run` keeps its checkpoints (whether they fit
+    is `resume.open_checkpoints`'s to say), and a run without it refuses to discard them
+    unless `overwrite`.
     """
     out = Path(out)
     tmp = partial_dir(out)
@@ -168,19 +168,12 @@ def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False, fingerprint
         fd = _lock(tmp, out)
     except OSError as e:
         raise PermissionError(f"cannot write the output folder {out}: {e.strerror or e}") from None
-    try:
-        resuming = resume_run and resume.has_state(tmp)
-        if resuming and fingerprint is not None:
-            resume.check_fingerprint(tmp, fingerprint, out)
-        if resume.has_state(tmp) and not resuming and not overwrite:
-            raise resume.ResumeError(f"an interrupted run of {out} is kept in {tmp}: pass --resume to continue it, "
-                                     "or --overwrite to start over")
-        _clear(tmp, keep_state=resuming)
-        if fingerprint is not None and not resuming:
-            resume.write_fingerprint(tmp, fingerprint)
-    except BaseException:
+    resuming = resume_run and resume.has_state(tmp)
+    if resume.has_state(tmp) and not resuming and not overwrite:
         os.close(fd)
-        raise
+        raise resume.ResumeError(f"an interrupted run of {out} is kept in {tmp}: pass --resume to continue it, "
+                                 "or --overwrite to start over")
+    _clear(tmp, keep_state=resuming)
     try:
         yield tmp
     except BaseException as e:

@@ -27,6 +27,7 @@ written. The estimate is compared with measured peaks of the shipped models by
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -198,8 +199,11 @@ def check_memory(model, sizes: Sizes, device: str | torch.device | None = None, 
     device = device or input_device(model)
     est = calibration_estimate(model, sizes)
     free = available_memory(device)
-    if free is None or est.total - est.parts["model"] <= free:
+    # several processes on one machine share its RAM (each GPU is its own)
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
+    if free is None or procs * (est.total - est.parts["model"]) <= free:
         return est
+    free //= procs
     hints = _fits(model, sizes, free)
     half = " or model.dtype: bfloat16 (half the weights and activations)" if next(model.parameters()).element_size() >= 4 \
         else ""

@@ -212,18 +212,27 @@ def differences(old: dict, new: dict, limit: int = 3) -> list[str]:
     return out + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
 
 
-def write_fingerprint(folder: Path, fp: dict) -> None:
-    (Path(folder) / STATE).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / STATE / FINGERPRINT).write_text(json.dumps(fp, indent=1, sort_keys=True) + "\n")
+def open_checkpoints(folder: Path, fp: dict, every_batches: int | None = None,
+                     every_seconds: float | None = 600.0) -> Checkpoints:
+    """The checkpoints of a run in `folder`: those already there if they were made with the same setup
+    (`fp`, see `fingerprint`), none otherwise. A different setup is refused, naming what differs.
 
-
-def check_fingerprint(folder: Path, fp: dict, out: Path) -> None:
-    """Refuse to resume `out` from `folder` when the setup differs from the one it was started with."""
-    path = Path(folder) / STATE / FINGERPRINT
-    if not path.exists():
-        raise ResumeError(f"cannot resume {out}: its partial folder {folder} has no {FINGERPRINT}; "
-                          "start over with --overwrite")
-    diff = differences(json.loads(path.read_text()), fp)
-    if diff:
-        raise ResumeError(f"cannot resume {out}: the interrupted run had a different setup ({'; '.join(diff)}); "
-                          "rerun its own command with --resume, or start over with --overwrite")
+    With several processes rank 0 checks and every process learns the outcome.
+    """
+    folder = Path(folder)
+    path = folder / STATE / FINGERPRINT
+    error = None
+    if distributed.is_main():
+        if has_state(folder):
+            old = json.loads(path.read_text()) if path.exists() else {}
+            diff = differences(old, fp)
+            if diff:
+                error = (f"cannot resume from {folder}: the interrupted run had a different setup "
+                         f"({'; '.join(diff)}); rerun its own command with --resume, or start over with --overwrite")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(fp, indent=1, sort_keys=True) + "\n")
+    error = distributed.all_objects(error)[0]
+    if error:
+        raise ResumeError(error)
+    return Checkpoints(folder, every_batches, every_seconds)

@@ -151,26 +151,28 @@ def test_partial_folder_is_deterministic_and_renamed(tmp_path):
 def test_checkpoints_survive_an_error_and_resume_checks_the_fingerprint(tmp_path):
     out, fp = tmp_path / "run", {"recipe": {"selection": {"target": 0.25}}}
     with pytest.raises(KeyboardInterrupt) as info:
-        with report.atomic_dir(out, False, fingerprint=fp) as tmp:
-            resume.Checkpoints(tmp, every_batches=1).step("capture", 1, lambda: {"cursor": 1})
+        with report.atomic_dir(out, False) as tmp:
+            resume.open_checkpoints(tmp, fp, every_batches=1).step("capture", 1, lambda: {"cursor": 1})
             (tmp / "plan.json").write_text("half")
             raise KeyboardInterrupt
     assert info.value.pruner_partial == tmp and resume.has_state(tmp) and not out.exists()
     with pytest.raises(resume.ResumeError, match=r"an interrupted run of .*run is kept in .*\.run\.partial: "
                                                  r"pass --resume to continue it, or --overwrite to start over"):
-        with report.atomic_dir(out, False, fingerprint=fp):
+        with report.atomic_dir(out, False):
             pass
     other = {"recipe": {"selection": {"target": 0.4}}}
-    with pytest.raises(resume.ResumeError, match=r"cannot resume .*run: the interrupted run had a different setup "
-                                                 r"\(recipe.selection.target: 0.25 -> 0.4\)"):
-        with report.atomic_dir(out, False, resume_run=True, fingerprint=other):
-            pass
+    with pytest.raises(resume.ResumeError, match=r"cannot resume from .*\.run\.partial: the interrupted run had a "
+                                                 r"different setup \(recipe.selection.target: 0.25 -> 0.4\)"):
+        with report.atomic_dir(out, False, resume_run=True) as tmp:
+            resume.open_checkpoints(tmp, other)
     assert resume.has_state(tmp)  # a refused resume keeps the checkpoints
-    with report.atomic_dir(out, False, resume_run=True, fingerprint=fp) as again:
-        assert again == tmp and resume.Checkpoints(tmp).load("capture")["cursor"] == 1
+    with report.atomic_dir(out, False, resume_run=True) as again:
+        assert again == tmp and resume.open_checkpoints(tmp, fp).load("capture")["cursor"] == 1
         assert not (tmp / "plan.json").exists()  # half-written files of the killed run are gone
         (tmp / "plan.json").write_text("whole")
     assert (out / "plan.json").read_text() == "whole" and not (out / resume.STATE).exists()
+    with report.atomic_dir(out, True) as tmp:  # a fresh run starts without the old fingerprint
+        assert resume.open_checkpoints(tmp, other).load("capture") is None
 
 
 def test_errors_without_checkpoints_leave_nothing(tmp_path):
