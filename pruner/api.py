@@ -398,7 +398,7 @@ def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), acro
     config = CaptureConfig(chunk_size=opts.chunk_size, metrics=tuple(opts.metrics), across_layers=across_layers)
     if opts.memory_check:
         resources.check_memory(model, resources.Sizes(
-            batch_size=opts.batch_size, length=batch.input_ids.shape[1], chunk_size=opts.chunk_size,
+            batch_size=min(opts.batch_size, len(batch)), length=batch.input_ids.shape[1], chunk_size=opts.chunk_size,
             pair_metrics=len(opts.metrics), outputs=False, across_layers=across_layers), what="the capture")
     stats = capture_stats(model, batch, spec, tokenizer, config, batch_size=opts.batch_size, progress=progress,
                           checkpoints=checkpoints)

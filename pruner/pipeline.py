@@ -112,7 +112,8 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> S
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
     if r.capture.memory_check:
         resources.check_memory(session.model, resources.Sizes(
-            batch_size=r.calibration.batch_size, length=session.calibration.input_ids.shape[1],
+            batch_size=min(r.calibration.batch_size, len(session.calibration)),
+            length=session.calibration.input_ids.shape[1],
             chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,

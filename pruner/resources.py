@@ -48,7 +48,10 @@ class ResourceError(OSError):
 
 
 def gib(n: int | float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
+    """Bytes for people: GiB with one decimal, else whole MiB, else whole KiB."""
+    if n >= GiB / 10:
+        return f"{n / GiB:.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
 @dataclass(frozen=True)
