@@ -426,9 +426,8 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     given = AnalyzeSpec.validated(options)  # bad options fail before any model is loaded
     prov = _analysis_provenance(model, compare_to, data, given)
     checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
-        checkpoint_dir, resume.fingerprint("analyze", None, {**given.model_dump(mode="json"), "threads": None,
-                                                             "checkpoint_every_seconds": None,
-                                                             "checkpoint_every_batches": None}, prov["identity"]),
+        checkpoint_dir, resume.fingerprint("analyze", None, {**given.model_dump(mode="json"), **dict.fromkeys(
+            ("threads", "memory_check", "checkpoint_every_seconds", "checkpoint_every_batches"))}, prov["identity"]),
         given.checkpoint_every_batches, given.checkpoint_every_seconds)
     model, tokenizer, name = _model_and_tokenizer(model, tokenizer, given.trust_remote_code)
     reference = ref_name = None

@@ -184,7 +184,9 @@ def record(recipe, ident: dict | None = None) -> dict:
 
 
 def write(folder: Path, prov: dict) -> None:
-    (Path(folder) / FILE).write_text(json.dumps(prov, indent=1) + "\n")
+    from pruner.redact import redact
+
+    (Path(folder) / FILE).write_text(redact(json.dumps(prov, indent=1)) + "\n")
 
 
 def _what_changed(what: str, old: dict, new: dict) -> str | None:

@@ -44,6 +44,7 @@ STATE = "state"
 FINGERPRINT = "fingerprint.json"
 KILL_ENV = "PRUNER_TEST_KILL_AT"
 VOLATILE_RECIPE_KEYS = ("threads", "checkpoint")  # may change between the interrupted and the resumed run
+# (and capture.memory_check)
 
 
 class ResumeError(ValueError):
@@ -188,6 +189,8 @@ def fingerprint(command: str, recipe: dict | None, options: dict, identity: dict
     from pruner import __version__
 
     recipe = {k: v for k, v in (recipe or {}).items() if k not in VOLATILE_RECIPE_KEYS}
+    if isinstance(recipe.get("capture"), dict):  # the memory check changes no result
+        recipe["capture"] = {k: v for k, v in recipe["capture"].items() if k != "memory_check"}
     return json.loads(json.dumps({"command": command, "pruner_version": __version__,
                                   "processes": distributed.world_size(), "options": options, "recipe": recipe,
                                   "identity": identity}, default=str))

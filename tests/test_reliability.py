@@ -389,3 +389,25 @@ def test_interrupt_leaves_no_partial_output(env, tmp_path):
     assert log.read_text().strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"
     assert "Traceback" not in log.read_text()
     assert not out.exists() and not list(tmp_path.glob(".run.*"))
+
+
+def test_a_token_never_reaches_the_output_or_the_run_folder(env, tmp_path, capsys, monkeypatch):
+    """HF_TOKEN set; prune, export and a push that fails with an error echoing the token and its header."""
+    from pruner import export
+
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+
+    class Client:
+        def create_repo(self, *a, **k):
+            raise RuntimeError(f"401 Client Error: Unauthorized (request headers: {{'authorization': 'Bearer "
+                               f"{FAKE_TOKEN}'}}, body: token {FAKE_TOKEN} is invalid)")
+    monkeypatch.setattr(export, "hub_client", lambda: Client())
+    out = tmp_path / "run"
+    assert main(_recipe(env) + ["--out", str(out)]) == 0
+    assert main(["export", str(out), "--format", "dense", "--push-to-hub", "someone/model"]) == 2
+    printed = capsys.readouterr()
+    assert "push to someone/model failed (RuntimeError: 401 Client Error: Unauthorized" in printed.err
+    assert FAKE_TOKEN not in printed.out + printed.err
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.name == "README.md" for f in files) and any(f.name == "provenance.json" for f in files)
+    assert not [f for f in files if FAKE_TOKEN.encode() in f.read_bytes()]

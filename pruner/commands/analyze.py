@@ -52,7 +52,7 @@ def thresholds(items: list[str] | None) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, runs
+    from pruner import api, distributed, report, runs
     from pruner import analysis_report as ar
 
     options = {**sample_options(args), "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
