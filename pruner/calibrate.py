@@ -109,7 +109,7 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
             total += xi.grad.detach().abs().double()
             checkpoints.step("gradient", k, lambda: {"cursor": k, "total": total.clone()})
         model.zero_grad(set_to_none=True)
-        checkpoints.finish("gradient", {"cursor": len(mine), "total": total.clone()})
+        checkpoints.finish("gradient", lambda: {"cursor": len(mine), "total": total.clone()})
     finally:
         for h in hooks:
             h.remove()

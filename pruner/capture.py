@@ -169,7 +169,7 @@ class Capture:
                 self._residual = sq if self._residual is None else self._residual + sq
                 self._tokens += int(keep.sum())
             checkpoints.step(name, k, lambda: self.state(k))
-        checkpoints.finish(name, self.state(n_batches))
+        checkpoints.finish(name, lambda: self.state(n_batches))
 
     def state(self, cursor: int) -> dict:
         """The sums so far and how many of this process's batches they hold (`pruner.resume`)."""

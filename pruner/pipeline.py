@@ -129,7 +129,7 @@ def stage(session: Session, name: str, compute):
     if saved is not None:
         return saved["value"]
     value = compute()
-    session.checkpoints.finish(name, {"value": value})
+    session.checkpoints.finish(name, lambda: {"value": value})
     return value
 
 

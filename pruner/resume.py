@@ -74,7 +74,7 @@ class Checkpoints:
 
     A stage calls `load(name)` once (None: start from the beginning), `step(name,
     k, state_fn)` after each batch (saves when due: every `every_batches` batches
-    or `every_seconds` since the last save), and `finish(name, state)` at its end.
+    or `every_seconds` since the last save), and `finish(name, state_fn)` at its end.
     A finished stage is written with the next save (or at once when one is due),
     so a later checkpoint never exists without the earlier stages' results.
     """
@@ -137,15 +137,16 @@ class Checkpoints:
             self.save(name, state_fn())
         kill_point(f"{name}:{batches_done}")
 
-    def finish(self, name: str, state: dict) -> None:
-        """A stage is complete: its state is saved now if a save is due, else with the next save."""
+    def finish(self, name: str, state_fn) -> None:
+        """A stage is complete: its state, `state_fn()`, is saved now if a save is due, else with the
+        next save (held in memory until then)."""
         if not self.active:
             return
         if self.every_batches or (self.every_seconds is not None
                                   and time.monotonic() - self._last >= self.every_seconds):
-            self.save(name, state)
+            self.save(name, state_fn())
         else:  # the RNG state as it is now, at the end of the stage
-            self._pending[name] = {**state, "__rng__": torch.get_rng_state()}
+            self._pending[name] = {**state_fn(), "__rng__": torch.get_rng_state()}
         kill_point(f"{name}:done")
 
 

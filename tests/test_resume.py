@@ -87,7 +87,7 @@ def test_checkpoints_restore_the_rng_state(tmp_path):
 @pytest.mark.unit
 def test_a_finished_stage_waits_for_the_next_save(tmp_path):
     ck = resume.Checkpoints(tmp_path, every_batches=None, every_seconds=3600)
-    ck.finish("capture", {"cursor": 4})
+    ck.finish("capture", lambda: {"cursor": 4})
     assert ck.load("capture") is None and not resume.has_state(tmp_path)
     ck.save("gradient", {"cursor": 1})  # a later save writes the earlier finished stage first
     assert ck.load("capture")["cursor"] == 4 and ck.load("gradient")["cursor"] == 1
