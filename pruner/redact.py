@@ -15,7 +15,7 @@ import re
 ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 MASK = "***"
 _SHAPED = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
-_HEADER = re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)(bearer\s+)?[^\s'\",}]+")
+_HEADER = re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)(bearer\s+)?[^\s'\",;)\]}]+")
 
 
 def secrets() -> list[str]:
