@@ -228,11 +228,12 @@ def free_disk(folder: Path) -> int:
 
 
 def check_disk(folder: Path, need: int, what: str) -> None:
-    """Refuse to start writing `need` bytes into `folder` when its filesystem has less free."""
+    """Refuse to start writing `need` bytes into `folder` (a run's partial folder) when its filesystem
+    has less free; the message names the folder it sits in."""
     free = free_disk(folder)
     if need > free:
-        raise ResourceError(f"not enough disk space for {folder}: {what} needs about {gib(need)}, and "
-                            f"{gib(free)} is free there; free some space or choose another --out")
+        raise ResourceError(f"not enough disk space in {Path(folder).absolute().parent}: {what} needs about "
+                            f"{gib(need)}, and {gib(free)} is free there; free some space or choose another --out")
 
 
 def checkpoint_bytes(model) -> int:

@@ -51,7 +51,7 @@ def test_available_memory_is_positive_on_this_machine():
 @pytest.mark.unit
 def test_too_little_disk_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(resources, "free_disk", lambda folder: 100 << 20)
-    with pytest.raises(resources.ResourceError, match=r"^not enough disk space for .*run: the pruned checkpoint "
+    with pytest.raises(resources.ResourceError, match=r"^not enough disk space in .*: the pruned checkpoint "
                                                       r"needs about 2.0 GiB, and 100 MiB is free there; free some "
                                                       r"space or choose another --out"):
         resources.check_disk(tmp_path / "run", 2 << 30, "the pruned checkpoint")
