@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner import arch, distributed, export, models, pipeline, provenance, report, resources, resume, runs
+from pruner import arch, distributed, export, models, pipeline, provenance, report, resources, resume, runs, surgery
 from pruner.recipe import AnalyzeSpec, Recipe, RecipeError, build_recipe, validate_section
 from pruner.selection import Plan
 
@@ -140,22 +140,24 @@ def plan(model=None, tokenizer=None, data=None, *, recipe=None, progress: bool =
     return pipeline.make_plan(call.session(progress, evaluation=False), progress=progress)
 
 
-def apply(model, plan: Plan, compensation: str = "mean", mode: str = "mask"):
+def apply(model, plan: Plan, compensation: str = "mean", mode: str = "mask", ridge: float = 1e-3):
     """Prune `model` in place as `plan` says and return it.
 
     `mode`: `mask` zeroes the heads' output-projection columns (every shape kept),
     `remove` slices them out (smaller and faster). `compensation`: `mean` folds each
     pruned head's mean output over the plan's calibration into the output bias,
-    `zero` does not (the only choice for a plan read back from plan.json).
+    `refit` refits the kept heads' output-projection columns to rebuild what the
+    pruned ones wrote (ridge least squares, `ridge` relative; plain weights, no config
+    change), `zero` does neither (the only choice for a plan read back from plan.json).
     """
-    spec = validate_section("surgery", {"compensation": compensation, "mode": mode})
+    spec = validate_section("surgery", {"compensation": compensation, "mode": mode, "ridge": ridge})
     if plan.geometry is not None:
         geom = arch.geometry(model)
         if (geom.n_layers, geom.n_heads) != (plan.geometry.n_layers, plan.geometry.n_heads):
             raise ValueError(f"the plan is for {plan.geometry.n_layers} layers x {plan.geometry.n_heads} heads; "
                              f"this model has {geom.n_layers} x {geom.n_heads}")
-    bias = pipeline.compensation_bias(model, plan.heads, spec.compensation, plan.calibration)
-    pipeline.apply(model, plan.heads, bias, spec.mode)
+    comp = pipeline.compensation(model, plan.heads, spec, plan.calibration)
+    pipeline.apply(model, plan.heads, comp, spec.mode)
     return model
 
 
@@ -168,8 +170,13 @@ class Result:
     plan: Plan
     metrics: dict = field(repr=False)
     recipe: Recipe = field(repr=False)
-    bias: Any = field(default=None, repr=False)  # folded mean compensation {layer: (d_model,)}, None for zero
+    compensation: Any = field(default=None, repr=False)  # surgery.Compensation: what the pruned heads left behind
     provenance: dict | None = field(default=None, repr=False)  # provenance.json: what the run was made from
+
+    @property
+    def bias(self):
+        """The folded biases {layer: (d_model,)} of the compensation, None when there are none."""
+        return None if self.compensation is None else (self.compensation.bias or None)
 
     def save(self, folder, overwrite: bool = False) -> Path:
         """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md,
@@ -204,7 +211,7 @@ def _prune(call: _Call, progress: bool, checkpoint_dir=None) -> Result:
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
     done = pipeline.run(call.session(progress, checkpoints=checkpoints), progress)
-    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.bias, prov)
+    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov)
 
 
 # --------------------------------------------------------------------------- compare
@@ -243,11 +250,11 @@ class Comparison:
                 f"{best['compensation']})")
 
 
-COMPENSATIONS = ("zero", "mean")
+COMPENSATIONS = surgery.COMPENSATIONS
 
 
 def compare(model=None, tokenizer=None, data=None, *, recipe=None, scorers=None, sparsities=(0.1, 0.25, 0.4, 0.5),
-            compensations=("zero", "mean"), budgets=None, gqa=None, eval_data=None, progress: bool = True,
+            compensations=("zero", "mean", "refit"), budgets=None, gqa=None, eval_data=None, progress: bool = True,
             checkpoint_dir=None, **overrides) -> Comparison:
     """`pruner compare` for a model object: one calibration pass, every combination evaluated with a scoped mask.
 
@@ -359,8 +366,9 @@ class Analysis:
 def _model_and_tokenizer(model, tokenizer, trust_remote_code: bool = False):
     """(model object, tokenizer, name) from an object or a name/path."""
     if isinstance(model, (str, Path)):
-        return (models.load_model(str(model), trust_remote_code=trust_remote_code),
-                tokenizer or models.load_tokenizer(str(model), trust_remote_code), str(model))
+        loaded = models.load_model(str(model), trust_remote_code=trust_remote_code)
+        arch.adapter_for(loaded)  # e.g. a per-layer checkpoint: no single head count to measure
+        return loaded, tokenizer or models.load_tokenizer(str(model), trust_remote_code), str(model)
     arch.adapter_for(model)
     if tokenizer is None:
         raise ValueError("pass the tokenizer with a model object")
@@ -549,15 +557,21 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
 def load(path, trust_remote_code: bool = False):
     """A model pruner wrote (a run's model/, an export) or any supported checkpoint, in eval mode.
 
-    Code shipped with a checkpoint (`auto_map`) runs only with `trust_remote_code`;
-    pruner's own per-layer checkpoints load with pruner's packaged code instead.
-    """
+    Per-layer compact checkpoints are built with pruner's own packaged modeling classes (pruner/modeling),
+    never by running the modeling file in the folder; a config.json whose head counts do not fit the
+    weights is refused in one line. Code shipped with any other checkpoint (`auto_map`) runs only with
+    `trust_remote_code`."""
     return models.load_model(str(path), trust_remote_code=trust_remote_code)
 
 
 def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
-               private: bool = False, allow_changed_base: bool = False):
-    """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub."""
+               private: bool = False, dtype: str | None = None, allow_changed_base: bool = False):
+    """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub.
+
+    `compact` is the vanilla form where the family's config can describe the pruned model, else the per-layer
+    form (`trust_remote_code=True`, or `pruner.load`). `dtype` (auto|float32|float16|bfloat16) overrides the
+    recipe's `export.dtype`; auto stores the base checkpoint's own dtype. `allow_changed_base`: export even
+    when the base model is not the one the run was made from (the model card says so)."""
     if private and not push_to_hub:
         raise ValueError("private applies only with push_to_hub")
     run_dir = Path(run_dir)
@@ -568,7 +582,7 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
     return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,
-                             allow_changed_base=allow_changed_base)
+                             allow_changed_base=allow_changed_base, dtype=dtype)
 
 
 __all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",

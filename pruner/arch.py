@@ -10,7 +10,10 @@ adapter. Head geometry comes from the config; weights are sliced by head using
 - `per_head`  -- one fused projection laid out per head [q_h, k_h, v_h] (GPT-NeoX).
 
 `conv1d` marks GPT-2's Conv1D, whose weight is stored (in, out).
-`bias_flag` names the config switch that gives the attention projections a
+`explicit_head_dim` marks families whose attention reads `config.head_dim` when
+present (Llama, Mistral, Qwen2, Qwen3): a vanilla config of theirs can describe
+fewer heads of the same width. GPT-2, BERT and GPT-NeoX derive it from
+hidden_size / heads. `bias_flag` names the config switch that gives the attention projections a
 bias (Llama's `attention_bias`), used to fold mean compensation into a model
 whose output projection has none.
 """
@@ -36,10 +39,12 @@ class Adapter:
     conv1d: bool = False
     bias_flag: str | None = None
     n_heads_attrs: tuple[str, ...] = ()  # module attributes holding the head count, kept in sync
+    explicit_head_dim: bool = False
 
 
 _LLAMA = Adapter(layers="layers", attn="self_attn", o_proj="self_attn.o_proj", q="self_attn.q_proj",
-                 k="self_attn.k_proj", v="self_attn.v_proj", bias_flag="attention_bias")
+                 k="self_attn.k_proj", v="self_attn.v_proj", bias_flag="attention_bias",
+                 explicit_head_dim=True)
 _BERT = Adapter(layers="encoder.layer", attn="attention.self", o_proj="attention.output.dense",
                 q="attention.self.query", k="attention.self.key", v="attention.self.value",
                 n_heads_attrs=("attention.self.num_attention_heads",))
@@ -65,10 +70,20 @@ class UnsupportedArchitecture(ValueError):
 def adapter_for(model) -> Adapter:
     """The adapter of a model, or a clear error naming the supported families."""
     kind = model.config.model_type
+    _refuse_per_layer(model.config)
     if kind not in ADAPTERS:
         raise UnsupportedArchitecture(f"architecture {kind!r} is not supported; supported: "
                                       f"{', '.join(sorted(ADAPTERS))}")
     return ADAPTERS[kind]
+
+
+def _refuse_per_layer(cfg) -> None:
+    """A pruner per-layer checkpoint has no single head count: the geometry every stage assumes."""
+    if getattr(cfg, "pruner_format", None):
+        raise UnsupportedArchitecture(
+            f"this is a pruner per-layer checkpoint ({cfg.model_type}: layers keep different head counts); pruner "
+            "scores, prunes and analyses models with the same heads in every layer: use its base model (named in "
+            "its model card), or run this one for inference (pruner.load)")
 
 
 def get(module, path: str):
@@ -108,6 +123,7 @@ def geometry(model) -> Geometry:
 
 
 def _read_geometry(cfg) -> Geometry:
+    _refuse_per_layer(cfg)
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -119,6 +135,11 @@ def o_weight_cols(model, layer: int) -> torch.Tensor:
     ad = adapter_for(model)
     w = get(blocks(model)[layer], ad.o_proj).weight
     return w.t() if ad.conv1d else w
+
+
+def o_bias(model, layer: int) -> torch.Tensor | None:
+    """The output projection's bias (d_model,), or None where it has none."""
+    return get(blocks(model)[layer], adapter_for(model).o_proj).bias
 
 
 def qkv_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pruner import arch, distributed, resume
+from pruner import stats as st
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
 from pruner.models import attends_causally, forward, mask_tokens
@@ -18,33 +19,43 @@ from pruner.sinks import SinkSpec
 
 
 def head_grams(model) -> torch.Tensor:
-    """W_O,h^T W_O,h per head: (layer, head, d_head, d_head), float64."""
-    g = arch.geometry(model)
-    out = []
-    for layer in range(g.n_layers):
-        w = arch.o_weight_cols(model, layer).detach().double().view(-1, g.n_heads, g.head_dim)  # (d, H, hd)
-        out.append(torch.einsum("dhi,dhj->hij", w, w))
-    return torch.stack(out)
+    """W_O,h^T W_O,h per head: (layer, head, d_head, d_head), float64 (the diagonal blocks of `layer_grams`)."""
+    return _diagonal_blocks(layer_grams(model), arch.geometry(model))
+
+
+def _diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
+    L, H, D = g.n_layers, g.n_heads, g.head_dim
+    return torch.diagonal(grams.view(L, H, D, H, D), dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous()
 
 
 def layer_grams(model) -> torch.Tensor:
-    """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float64."""
+    """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float64.
+
+    Products in float32 (bfloat16 weights: on bfloat16 / TF32 units, exact products), summed
+    in a fixed order (`stats.gram`): float64 products cost d_model x (H*d_head)^2 per
+    layer, seconds for a 1B model, for a precision (~1e-7) no score needs.
+    """
     g = arch.geometry(model)
-    return torch.stack([(lambda w: w.t() @ w)(arch.o_weight_cols(model, layer).detach().double())
-                        for layer in range(g.n_layers)])
+    out = []
+    for layer in range(g.n_layers):
+        w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
+        with st.matmul_precision(w.dtype == torch.bfloat16):
+            out.append(st.gram(w.float(), g.n_heads).double())
+    return torch.stack(out)
 
 
 def weight_norms(model) -> torch.Tensor:
     """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)"""
     g = arch.geometry(model)
+    sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
     rows = []
     for layer in range(g.n_layers):
-        q, k, v = (w.detach().double() for w in arch.qkv_weights(model, layer))
-        o = arch.o_weight_cols(model, layer).detach().double()
-        per = lambda w, n: w.reshape(n, -1).pow(2).sum(-1)  # noqa: E731
-        q_sq = per(q, g.n_heads)
-        kv_sq = (per(k, g.n_kv_heads) + per(v, g.n_kv_heads)).repeat_interleave(g.group_size) / g.group_size
-        o_sq = per(o.t(), g.n_heads)
+        q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
+        o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
+        per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
+        q_sq = per_head(sq(q), g.n_heads)
+        kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
+        o_sq = per_head(sq(o.t()), g.n_heads)
         rows.append((q_sq + kv_sq + o_sq).sqrt())
     return torch.stack(rows)
 
@@ -96,9 +107,9 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
         total = saved["total"]
     was_training = model.training
     model.eval()
-    weights = [p for p in model.parameters() if p.requires_grad]
-    for p in weights:  # only xi's gradient is read: no weight gradients (a model-sized buffer)
-        p.requires_grad_(False)
+    frozen = [w for w in model.parameters() if w.requires_grad]  # only xi's gradient is needed: weight
+    for w in frozen:  # gradients would cost a model-sized .grad and a third of each backward
+        w.requires_grad_(False)
     try:
         it = mine[done:]
         it = tqdm(it, total=len(mine), initial=done, desc="gradient", unit="window") if progress else it
@@ -113,19 +124,20 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     finally:
         for h in hooks:
             h.remove()
-        for p in weights:
-            p.requires_grad_(True)
         model.train(was_training)
+        for w in frozen:
+            w.requires_grad_(True)
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
-              batch_size: int = 8, seed: int = 0, progress: bool = False,
+              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3,
               checkpoints: resume.Checkpoints = resume.NONE) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
+    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
     With `checkpoints` both passes save their sums now and then and resume from them.
     """
     if not config.outputs:
@@ -144,5 +156,9 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
-    return ScoringInputs(stats=stats, gram=head_grams(model), weight_norm=weight_norms(model),
-                         gradient=grad, seed=seed, cross=cross_energy(stats.outputs, layer_grams(model)))
+    grams = layer_grams(model)
+    intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
+    return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
+                         weight_norm=weight_norms(model), gradient=grad, seed=seed,
+                         cross=cross_energy(stats.outputs, grams),
+                         layer_gram=grams, intercept=intercept, ridge=ridge)

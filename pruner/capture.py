@@ -1,20 +1,26 @@
 """Streaming attention capture through transformers' `AttentionInterface`.
 
-`Capture` registers an attention function that (1) delegates the real output to
-SDPA, untouched, and (2) recomputes the pre-softmax scores in query chunks
-(repeating keys for GQA) and folds each chunk into per-layer sums
-(`pruner.stats`). It never holds layers x heads x T x T: the extra memory is one
-chunk, O(batch x heads x chunk x T). The model's attention implementation is
-restored on exit, whatever happens inside.
+`Capture` registers an attention function that computes each layer's attention
+itself, in query chunks: the scores of a chunk once (float32, GQA by grouping the
+queries of each KV head), one softmax, and from those probabilities both the
+output the model continues with and every statistic (`pruner.stats.attend`): no
+score is computed twice. It never holds layers x heads x T x T: the extra memory
+is two chunk buffers, O(batch x heads x chunk x T), reused across chunks and
+layers, plus the layer's sink channel (batch x T x heads x d_head) when output
+moments are asked. The model's attention implementation is restored on exit,
+whatever happens inside. Calibration needs no logits, so `run` calls the model's
+body (`model.base_model`) and skips the language-model head.
 
-`CaptureConfig(across_layers=True)` compares every head with every head of the
-model (`HeadStats.model_pairs`, for clustering and maps of all heads): each
-layer's post-RoPE queries and (GQA-repeated) keys are kept until the forward
-pass ends, then the scores of all layers are stacked on one head axis and folded
-chunk by chunk. Extra memory: the kept q and k, 2 x layers x batch x heads x T x
-d_head, plus one stacked chunk O(batch x layers*heads x chunk x T) and its pair
-matrices O(batch x chunk x (layers*heads)^2) -- bounded by the batch, fine at
-analysis sizes, not meant for long contexts of large models.
+Two cases keep SDPA for the output and recompute the scores for the statistics:
+`auto` sinks (only the attention each key receives is measured) and
+`CaptureConfig(across_layers=True)`, which compares every head with every head
+of the model (`HeadStats.model_pairs`, for clustering and maps of all heads):
+each layer's post-RoPE queries and keys (not repeated for GQA) are kept until the
+forward pass ends, then the scores of all layers are stacked on one head axis and
+folded chunk by chunk. Extra memory there: the kept q and k, 2 x layers x batch x
+heads x T x d_head, plus one stacked chunk O(batch x layers*heads x chunk x T) and
+its pair matrices O(batch x chunk x (layers*heads)^2) -- bounded by the batch,
+fine at analysis sizes, not meant for long contexts of large models.
 
     with Capture(model, sinks, tokenizer) as cap:
         cap.run(batch)                      # any number of batches
@@ -33,7 +39,7 @@ from tqdm.auto import tqdm
 from pruner import arch, distributed, resume
 from pruner import stats as st
 from pruner.data import TokenBatch
-from pruner.models import forward, forward_parameters, input_device
+from pruner.models import forward, input_device
 from pruner.sinks import SinkSpec, relative_positions, sink_mask
 
 IMPL = "pruner_capture"
@@ -49,25 +55,31 @@ class CaptureConfig:
     dormant_threshold: float = 0.9
     outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
     across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
+    fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
 
     def __post_init__(self):
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.across_layers and self.outputs:
             raise ValueError("across_layers and outputs cannot be captured together")
+        if self.outputs and not self.fused:
+            raise ValueError("output moments are computed by the fused attention (fused=True)")
         bad = set(self.metrics) - set(st.PAIR_METRICS)
         if bad:
             raise ValueError(f"unknown pair metrics {sorted(bad)}; valid: {', '.join(st.PAIR_METRICS)}")
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Registered attention function: SDPA output plus chunked statistics."""
+    """Registered attention function: fused output + statistics, or SDPA output + recomputed statistics."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    cap = _ACTIVE
+    if cap is not None and cap._fuses(dropout, kwargs):
+        return cap._attend(module, query, key, value, attention_mask, scaling), None
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                  dropout=dropout, **kwargs)
-    if _ACTIVE is not None:
-        _ACTIVE._observe(module, query, key, value, attention_mask, scaling)
+    if cap is not None:
+        cap._observe(module, query, key, value, attention_mask, scaling)
     return out
 
 
@@ -99,25 +111,56 @@ def valid_keys(mask: torch.Tensor | None, attention_mask_2d: torch.Tensor, q0: i
     return keys & (torch.arange(K, device=keys.device)[None, :] <= q)[None, None]
 
 
+@dataclass
+class _Batch:
+    """What the attention function needs to know about the batch being forwarded."""
+
+    mask2d: torch.Tensor  # (B, T) real tokens
+    sink: torch.Tensor    # (B, T) sink keys
+    rows: torch.Tensor    # (B, T) head-level rows: real tokens that are not sinks
+    layers: dict = dataclasses.field(default_factory=dict)  # see layer_keys
+    residual: list = dataclasses.field(default_factory=list)  # per block: sum of ||h||^2 over real tokens
+
+    def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mask2d, sink, rows on `device` (device_map: each layer's own)."""
+        return tuple(x.to(device) for x in (self.mask2d, self.sink, self.rows))
+
+    def layer_keys(self, mask: torch.Tensor | None, chunk: int, causal: bool, device) -> st.LayerKeys:
+        """What each chunk of query rows sees, built once per batch: every layer has the same chunks and
+        receives the same mask object (within one forward pass its storage identifies it)."""
+        key = (chunk, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
+        if key not in self.layers:
+            mask2d, sink, rows = self.on(device)
+            valid_of = lambda q0, q1, k1: valid_keys(None if mask is None else mask[..., :k1],  # noqa: E731
+                                                     mask2d[:, :k1], q0, q1, causal)
+            self.layers[key] = st.layer_keys(valid_of, mask2d.shape[1], chunk, causal, sink, rows)
+        return self.layers[key]
+
+
 class Capture:
     """Scoped streaming capture: installs the attention function, always restores the model."""
 
     def __init__(self, model, sinks: SinkSpec, tokenizer=None, config: CaptureConfig = CaptureConfig()):
         self.model, self.sinks, self.tokenizer, self.config = model, sinks, tokenizer, config
         self.layers: dict[int, st.LayerStats] = {}
-        self._batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # mask2d, sink, rows
+        self._batch: _Batch | None = None
         self._saved_impl: str | None = None
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
         self._residual: torch.Tensor | None = None  # (layer,) sums of ||h||^2 over real tokens
         self._tokens = 0
-        self._kept: dict[int, tuple] = {}  # across_layers: layer -> (query, key, mask, scale, causal)
+        self._kept: dict[int, tuple] = {}  # across_layers: layer -> (query, key, mask, scale, causal, bf16)
         self._n_layers = 0  # across_layers: self.layers holds one stacked entry of all layers' heads
+        self._work = st.Workspace()
+        self._hooks: list = []
 
     def __enter__(self) -> "Capture":
         global _ACTIVE
         if _ACTIVE is not None:
             raise RuntimeError("another Capture is already active")
         _register()
+        if self.config.outputs:  # the residual stream entering each block, which its heads write into
+            self._hooks = [b.register_forward_pre_hook(self._residual_hook, with_kwargs=True)
+                           for b in arch.blocks(self.model)]
         self._saved_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(IMPL)
         _ACTIVE = self
@@ -126,12 +169,15 @@ class Capture:
     def __exit__(self, *exc) -> None:
         global _ACTIVE
         _ACTIVE = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._work = [], st.Workspace()
         self.model.set_attn_implementation(self._saved_impl)
 
     @torch.no_grad()
     def run(self, batch: TokenBatch, batch_size: int = 8, progress: bool = False,
             checkpoints: resume.Checkpoints = resume.NONE, name: str = "capture") -> None:
-        """Forward every sample once, accumulating statistics.
+        """Forward every sample once through the model's body (no logits), accumulating statistics.
 
         With `checkpoints`, the sums so far and the batch cursor are saved as stage `name`
         when due, and a resumed run starts after the last saved batch (one `run` per
@@ -146,8 +192,6 @@ class Capture:
         it = itertools.islice(batch.batches(batch_size), done, None)
         if progress:
             it = tqdm(it, total=n_batches, initial=done, desc="capture", unit="batch")
-        # capture reads attention and hidden states, never the logits: (B, T, vocab) floats not computed
-        no_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(type(self.model)) else {}
         for k, b in enumerate(it, start=done + 1):
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
             if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
@@ -155,19 +199,19 @@ class Capture:
                 self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
             else:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
-            self._batch = (mask2d, sink, mask2d.bool() & ~sink)
+            self._batch = _Batch(mask2d, sink, mask2d.bool() & ~sink)
             try:
-                out = forward(self.model, ids, mask2d, output_hidden_states=self.config.outputs, **no_logits)
+                forward(self.model.base_model, ids, mask2d, use_cache=False)  # no logits, no KV cache
                 if self._kept:
                     self._fold_across_layers()
+                residual = self._batch.residual
             finally:
                 self._batch = None
                 self._kept = {}
             if self.config.outputs:  # the residual stream each layer's heads write into
-                keep = mask2d.bool()
-                sq = torch.stack([h[keep].double().pow(2).sum().cpu() for h in out.hidden_states[:-1]])
+                sq = torch.stack(residual)
                 self._residual = sq if self._residual is None else self._residual + sq
-                self._tokens += int(keep.sum())
+                self._tokens += int(mask2d.bool().sum())
             checkpoints.step(name, k, lambda: self.state(k))
         checkpoints.finish(name, lambda: self.state(n_batches))
 
@@ -190,34 +234,74 @@ class Capture:
         self._received, self._n_layers = state["received"], state["n_layers"]
         return state["cursor"]
 
-    def _observe(self, module, query, key, value, mask, scaling) -> None:
+    def _residual_hook(self, block, args, kwargs) -> None:
+        """Block pre-hook: sum of ||h||^2 over this batch's real tokens of the stream entering the block."""
         if self._batch is None:
             return
-        mask2d, sink, rows = (x.to(query.device) for x in self._batch)  # device_map: this layer's device
+        h = (args[0] if args else kwargs["hidden_states"]).float()  # (B, T, d_model)
+        sq = torch.einsum("btd,btd->bt", h, h)  # per token, float32
+        self._batch.residual.append(sq[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
+
+    def _fuses(self, dropout: float, kwargs: dict) -> bool:
+        """Whether this attention call runs the fused path (else SDPA output + `_observe`)."""
+        return (self._batch is not None and self.config.fused and self.sinks.mode != "auto"
+                and not self.config.across_layers and not dropout
+                and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux")))
+
+    def _attend(self, module, query, key, value, mask, scaling) -> torch.Tensor:
+        """One layer, chunk by chunk: scores, one softmax, output and statistics (`pruner.stats.attend`).
+
+        Returns what transformers expects from an attention function: (B, T, H, d_head)
+        in the model's dtype. Half-precision inputs are computed in float32 (bfloat16:
+        q k^T on bfloat16 / TF32 units, exact; see `stats.matmul_precision`).
+        """
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        up = lambda x: x if x.dtype in (torch.float32, torch.float64) else x.float()  # noqa: E731  half: scores in fp32
-        query = up(query)
-        key = up(key).repeat_interleave(H // key.shape[1], dim=1)  # GQA: (B, H, K, D)
-        value = up(value).repeat_interleave(H // value.shape[1], dim=1) if self.config.outputs else None
+        up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
+        inputs = st.AttentionInputs(up(query), up(key), up(value), scaling if scaling is not None else D ** -0.5,
+                                    query.dtype)
+        keys = self._batch.layer_keys(mask, self.config.chunk_size, getattr(module, "is_causal", True),
+                                      query.device)  # device_map: this layer's device
+        out, u, total = st.attend(inputs, keys, self.config.metrics, self.config.dormant_threshold, self._work)
+        if self.config.outputs:
+            rows = self._batch.mask2d.to(query.device)  # every real token's output, sinks included
+            total = dataclasses.replace(total, outputs=st.output_moments(out, u, rows, query.dtype == torch.bfloat16))
+        layer = module.layer_idx
+        self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+        return out
+
+    def _observe(self, module, query, key, value, mask, scaling) -> None:
+        """Statistics beside an SDPA output: received attention (auto sinks), kept q/k (across layers), or
+        a layer whose attention call the fused path does not cover."""
+        if self._batch is None:
+            return
+        if self.config.outputs:
+            raise ValueError("output moments need pruner's fused attention, which this attention call does not "
+                             "allow (dropout in training mode, a position bias, softcapping or attention sinks)")
+        mask2d, sink, rows = self._batch.on(query.device)  # device_map: this layer's device
+        B, H, T, D = query.shape
+        if key.shape[2] != T:
+            raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
+        bf16 = query.dtype == torch.bfloat16
+        up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
+        query, key = up(query), up(key)  # half precision: scores in float32
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
         if self.config.across_layers and self.sinks.mode != "auto":
-            self._kept[module.layer_idx] = (query, key, mask, scale, causal)
+            self._kept[module.layer_idx] = (query, key, mask, scale, causal, bf16)
             return
         total = None
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
             k1 = q1 if causal else T  # causal: keys after the chunk's last query are never visible
-            z = (query[:, :, q0:q1] @ key[:, :, :k1].transpose(-1, -2)) * scale  # (B, H, c, k1)
+            z = st.scores(query[:, :, q0:q1], key[:, :, :k1], scale, bf16=bf16)  # (B, H, c, k1)
             valid = valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
             if self.sinks.mode == "auto":
                 self._receive(z, valid, rows[:, q0:q1])
                 continue
             part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
-                                  self.config.dormant_threshold, v=None if value is None else value[:, :, :k1],
-                                  out_rows=mask2d[:, q0:q1])
+                                  self.config.dormant_threshold)
             total = part if total is None else total + part
         if total is None:
             return
@@ -226,7 +310,7 @@ class Capture:
 
     def _fold_across_layers(self) -> None:
         """Stack every layer's scores on one head axis (layer-major) and fold them, chunk by chunk."""
-        mask2d, sink, rows = self._batch
+        mask2d, sink, rows = self._batch.on(self._batch.mask2d.device)
         kept = [self._kept[i] for i in sorted(self._kept)]
         if len({q.shape[1] for q, *_ in kept}) != 1:
             raise ValueError("across_layers needs the same number of query heads in every layer")
@@ -237,12 +321,12 @@ class Capture:
             q1 = min(T, q0 + self.config.chunk_size)
             k1 = q1 if kept[0][4] else T  # causal: keys after the chunk's last query are never visible
             valid = valid_keys(cut(kept[0][2], k1), mask2d[:, :k1], q0, q1, kept[0][4])  # (B, 1, c, k1)
-            for _, _, mask, _, causal in kept[1:]:
+            for _, _, mask, _, causal, _ in kept[1:]:
                 if not torch.equal(valid_keys(cut(mask, k1), mask2d[:, :k1], q0, q1, causal), valid):
                     raise ValueError("across_layers needs the same attention mask in every layer "
                                      "(sliding-window layers are not supported)")
-            z = torch.cat([(q[:, :, q0:q1] @ k[:, :, :k1].transpose(-1, -2)) * scale
-                           for q, k, _, scale, _ in kept], dim=1)  # (B, L * H, c, k1)
+            z = torch.cat([st.scores(q[:, :, q0:q1], k[:, :, :k1], scale, bf16=bf16)
+                           for q, k, _, scale, _, bf16 in kept], dim=1)  # (B, L * H, c, k1)
             part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
                                   self.config.dormant_threshold)
             total = part if total is None else total + part

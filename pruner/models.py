@@ -133,6 +133,10 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
     path = resolve(name_or_path)
+    if Path(path).exists() and _is_per_layer(path):  # AutoTokenizer would ask to run the folder's model code
+        from pruner import compact
+
+        return AutoTokenizer.from_pretrained(path, config=compact.load_config(path))
     if not trust_remote_code:
         try:
             check_remote_code(name_or_path, get_tokenizer_config(path), "tokenizer_config.json")
@@ -160,13 +164,6 @@ def check_remote_code(name: str, config: dict, filename: str = "config.json") ->
     raise RemoteCodeError(f"{name}: its {filename} asks to run code shipped with the checkpoint "
                           f"({', '.join(refs)}); pruner never runs a model's own code unless asked: pass "
                           "--trust-remote-code (recipe: model.trust_remote_code: true) if you trust its author")
-
-
-def load_pruner_format(path: str, config: dict, **kw):
-    """Load one of pruner's own per-layer checkpoints (`pruner_format` in config.json) with pruner's
-    packaged modeling code. Hook for the per-layer format's loader (issue 13)."""
-    raise ValueError(f"{path} is a pruner per-layer checkpoint (format {config['pruner_format']!r}), which this "
-                     "version of pruner cannot load")
 
 
 def check_finite(model, name: str) -> None:
@@ -207,12 +204,17 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
     raw = _from_hub(lambda p: PretrainedConfig.get_config_dict(p)[0], name_or_path, "model")  # JSON only
     if raw.get("pruner_format"):
-        return load_pruner_format(path, raw, dtype=dtype, device=device, device_map=device_map)
+        return load_pruner_format(path, dtype=dtype, device=device, device_map=device_map,
+                                  attn_implementation=attn_implementation)
     if not trust_remote_code:
         check_remote_code(name_or_path, raw)
     config = _from_hub(lambda p: AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, **overrides),
                        name_or_path, "model")
     cls = auto_class(config)
+    if Path(path).exists():  # an edited config.json (head counts) is one line here, not a reload failure
+        from pruner import compact
+
+        compact.check_weights(lambda: cls.from_config(config), Path(path))
     kw = {"device_map": device_map} if device_map else {}
     verbosity = hf_logging.get_verbosity()
     if overrides:  # a variant's new head is missing from its base checkpoint by design
@@ -227,6 +229,25 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
         hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
     return (model if device_map else model.to(device)).eval()
+
+
+def load_pruner_format(path: str, dtype: str = "float32", device: str = "cpu", device_map: str | None = None,
+                       attn_implementation: str = "sdpa"):
+    """One of pruner's own per-layer checkpoints (`pruner_format` in config.json), built with pruner's packaged
+    modeling classes (pruner.compact / pruner.modeling), never the modeling file in the folder."""
+    from pruner import compact
+
+    model = compact.load(path, dtype=dtype, attn_implementation=attn_implementation,
+                         **({"device_map": device_map} if device_map else {}))
+    check_finite(model, path)
+    return (model if device_map else model.to(device)).eval()
+
+
+def _is_per_layer(folder: str) -> bool:
+    """A pruner per-layer checkpoint (config.json has `pruner_format`): loaded by pruner.compact, no remote code."""
+    import json
+
+    return "pruner_format" in json.loads((Path(folder) / "config.json").read_text())
 
 
 def auto_class(config):

@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, data, distributed, models, resources, resume, surgery
+from pruner import arch, data, distributed, models, refit, resources, resume, surgery
 from pruner.calibrate import calibrate
-from pruner.capture import CaptureConfig, resolve_auto_sinks
+from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
 from pruner.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
                              window_scores)
-from pruner.recipe import Recipe
+from pruner.recipe import Recipe, SurgerySpec
 from pruner.scoring import ScoringInputs, get_scorer
 from pruner.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
 from pruner.sinks import SinkSpec, check_content, default_spec
@@ -117,7 +117,7 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> S
             chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
-                     seed=r.selection.seed, progress=progress, checkpoints=session.checkpoints)
+                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints)
 
 
 def stage(session: Session, name: str, compute):
@@ -131,6 +131,14 @@ def stage(session: Session, name: str, compute):
     value = compute()
     session.checkpoints.finish(name, lambda: {"value": value})
     return value
+
+
+def check_refit_tokens(session: Session) -> None:
+    """Refit needs at least as many calibration tokens as each layer has output-projection channels:
+    fail before any calibration compute."""
+    g = arch.geometry(session.model)
+    tokens = int(session.calibration.attention_mask.sum())
+    refit.check_tokens(tokens, g.n_heads * g.head_dim, 0)
 
 
 def selection_config(recipe: Recipe, target: float | None = None, budget: str | None = None,
@@ -164,26 +172,56 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
                    calibration=inputs)
 
 
-def compensation_bias(model, plan_heads: dict[int, list[int]], kind: str, inputs: ScoringInputs | None):
-    """The folded compensation for `kind` (None for `zero`); needs the calibration's output moments."""
+def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs | None,
+                 session: Session | None = None) -> surgery.Compensation:
+    """The `spec.compensation` of pruning `plan_heads`, from the calibration's output moments.
+
+    A sequential refit re-collects moments on the calibration samples, so it needs
+    the `session` they belong to.
+    """
+    kind = spec.compensation
     if kind == "zero":
-        return None
+        return surgery.Compensation()
     if inputs is None:
         raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
                          "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
                          "this model, or use compensation='zero'")
-    return surgery.compensation_bias(model, plan_heads, inputs.stats.outputs)
+    if kind == "refit" and spec.refit_mode == "sequential":
+        if session is None:
+            raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
+                             "refit_mode='oneshot' with pruner.apply")
+        r = session.recipe
+        cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True)
+        collect = lambda: capture_stats(model, session.calibration, session.sinks, session.tokenizer,  # noqa: E731
+                                        cfg, batch_size=r.calibration.batch_size).outputs
+        return surgery.refit_sequential(model, plan_heads, collect, spec.ridge)
+    return surgery.compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge)
 
 
-def apply(model, heads: dict[int, list[int]], bias, mode: str) -> None:
+def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:
+    """metrics.json's refit section: ridge, mode and per layer the pruned and unexplained energy
+    (absolute, and relative to the residual stream's mean squared norm R_l)."""
+    if comp.kind != "refit":
+        return None
+    resid = None if inputs is None or inputs.stats.residual is None else inputs.stats.residual
+    layers = {}
+    for layer, fit in sorted(comp.fits.items()):
+        r = None if resid is None else float(resid[layer])
+        layers[str(layer)] = {**fit, "residual": r, "relative": None if r is None else fit["unexplained"] / r}
+    return {"ridge": spec.ridge, "mode": spec.refit_mode, "layers": layers,
+            "unexplained": sum(v["unexplained"] for v in layers.values()),
+            "relative": None if resid is None else sum(v["relative"] for v in layers.values())}
+
+
+def apply(model, heads: dict[int, list[int]], comp: surgery.Compensation, mode: str) -> None:
     """Permanent surgery: `mask` keeps every shape, `remove` slices the heads out."""
-    (surgery.remove_heads if mode == "remove" else surgery.mask_heads)(model, heads, bias)
+    (surgery.remove_heads if mode == "remove" else surgery.mask_heads)(model, heads, comp)
 
 
-def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], bias, base) -> dict:
+def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], comp, base) -> dict:
     """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows."""
     ev = session.recipe.evaluation
-    with surgery.masked(session.model, plan_heads, bias):
+    with surgery.masked(session.model, plan_heads, comp):
         nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size,
                                         causal=session.causal, pool=not session.causal)
     d = paired_delta(base["nll"], (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
@@ -213,6 +251,8 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     recipe = session.recipe
     budgets = budgets or [recipe.selection.budget]
     gqa_modes = gqa_modes or [recipe.selection.gqa]
+    if "refit" in compensations:
+        check_refit_tokens(session)
     inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress)
     base = base_metrics(session, progress)
     geom = arch.geometry(session.model)
@@ -226,13 +266,16 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
             records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
             continue
-        for comp in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
-            def evaluate(comp=comp, plan=plan):
-                bias = compensation_bias(session.model, plan.heads, comp, inputs)
-                return evaluate_plan(session, plan.heads, bias, base)
-            m = stage(session, f"compare-{len(records)}", evaluate)
-            records.append({**key, "compensation": comp, "pruned_heads": len(plan.entries),
-                            "heads": {str(k): v for k, v in plan.heads.items()}, **m})
+        for kind in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
+            spec = recipe.surgery.model_copy(update={"compensation": kind})
+            comp = compensation(session.model, plan.heads, spec, inputs, session)  # recomputed on resume
+            m = stage(session, f"compare-{len(records)}",
+                      lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
+            fit = refit_record(comp, spec, inputs)
+            records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
+                            "heads": {str(k): v for k, v in plan.heads.items()}, **m,
+                            **({} if fit is None else {"unexplained": fit["unexplained"],
+                                                       "unexplained_relative": fit["relative"]})})
     return records
 
 
@@ -242,7 +285,7 @@ class RunResult:
     metrics: dict
     model: object
     tokenizer: object
-    bias: dict[int, torch.Tensor] | None  # folded mean compensation, {layer: (d_model,)}; None for `zero`
+    compensation: surgery.Compensation  # what the pruned heads left in the output projections
     recipe: Recipe | None = None
 
 
@@ -253,14 +296,16 @@ def run(session: Session, progress: bool = True) -> RunResult:
     if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
         resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(model),
                              "the pruned checkpoint (model/)")
+    if recipe.surgery.compensation == "refit":
+        check_refit_tokens(session)
     plan = make_plan(session, progress=progress)
     base = base_metrics(session, progress)
     params_before = sum(p.numel() for p in model.parameters())
     latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
-    bias = compensation_bias(model, plan.heads, recipe.surgery.compensation, plan.calibration)
+    comp = compensation(model, plan.heads, recipe.surgery, plan.calibration, session)
     # scoped mask: the same numbers as the surgery below
-    m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, bias, base))
-    apply(model, plan.heads, bias, recipe.surgery.mode)
+    m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
+    apply(model, plan.heads, comp, recipe.surgery.mode)
     geom = plan.geometry
     scorer = get_scorer(plan.scorer)
     metrics = {
@@ -276,7 +321,10 @@ def run(session: Session, progress: bool = True) -> RunResult:
         "convention_sensitivity": sensitivity_record(plan),
         "seconds": round(time.time() - t0, 1),
     }
-    return RunResult(plan, metrics, model, session.tokenizer, bias, recipe)
+    fit = refit_record(comp, recipe.surgery, plan.calibration)
+    if fit is not None:
+        metrics["refit"] = fit
+    return RunResult(plan, metrics, model, session.tokenizer, comp, recipe)
 
 
 def sensitivity_record(plan: Plan) -> dict | None:

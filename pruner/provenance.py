@@ -253,12 +253,13 @@ def plan_heads(plan: dict, where: str) -> dict[int, list[int]]:
     return out
 
 
-def check_fits(run_folder: Path, plan: dict, bias: dict | None, model) -> dict[int, list[int]]:
+def check_fits(run_folder: Path, plan: dict, compensation, model) -> dict[int, list[int]]:
     """Refuse a plan or compensation that does not fit `model` (the unpruned base), naming the problem.
 
+    `compensation`: a `surgery.Compensation` (or a legacy {layer: bias} dict, or None).
     Returns the plan's heads, {layer: [head, ...]}.
     """
-    from pruner import arch
+    from pruner import arch, surgery
 
     g = arch.geometry(model)
     where = f"plan.json of {run_folder} does not fit {model.config.model_type} ({g.n_layers} layers x {g.n_heads} heads)"
@@ -273,14 +274,17 @@ def check_fits(run_folder: Path, plan: dict, bias: dict | None, model) -> dict[i
             raise ProvenanceError(f"{where}: layer {layer} lists a head twice ({sorted(hs)})")
         if len(hs) >= g.n_heads:
             raise ProvenanceError(f"{where}: it prunes all {g.n_heads} heads of layer {layer}, emptying it")
-    if not bias:
+    comp = surgery.as_compensation(compensation)
+    if not comp.bias and not comp.weight:
         return heads
     d_model = arch.o_weight_cols(model, 0).shape[0]
     where = f"compensation of {run_folder} does not fit {model.config.model_type}"
-    for layer, b in bias.items():
-        if layer not in heads:
-            raise ProvenanceError(f"{where}: layer {layer} has a bias but the plan prunes no head there")
-        if tuple(b.shape) != (d_model,):
-            raise ProvenanceError(f"{where}: layer {layer}'s bias has shape {tuple(b.shape)}, the output "
-                                  f"projection needs ({d_model},)")
+    for what, deltas, shape in (("bias", comp.bias, (d_model,)),
+                                ("weight delta", comp.weight, (d_model, g.n_heads * g.head_dim))):
+        for layer, t in deltas.items():
+            if layer not in heads:
+                raise ProvenanceError(f"{where}: layer {layer} has a {what} but the plan prunes no head there")
+            if tuple(t.shape) != shape:
+                raise ProvenanceError(f"{where}: layer {layer}'s {what} has shape {tuple(t.shape)}, the output "
+                                      f"projection needs {shape}")
     return heads

@@ -107,8 +107,15 @@ class SelectionSpec(_Strict):
 
 
 class SurgerySpec(_Strict):
+    """How heads go: masked or removed, and what is kept of them (see pruner.surgery)."""
+
     mode: Literal["mask", "remove"] = "mask"
-    compensation: Literal["zero", "mean"] = "mean"
+    compensation: Literal["zero", "mean", "refit"] = "mean"
+    ridge: float = Field(1e-3, ge=0, description="refit: ridge, relative to the mean diagonal of each layer's "
+                                                 "second moment")
+    refit_mode: Literal["oneshot", "sequential"] = Field(
+        "oneshot", description="refit: from the unpruned model's moments, or layer by layer from moments "
+                               "re-collected on the model already pruned below")
 
 
 class EvaluationSpec(DataSpec):
@@ -123,6 +130,8 @@ class ExportSpec(_Strict):
     """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
 
     format: Literal["none", "dense", "compact"] = "none"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="storage dtype of saved checkpoints (model/ and exports); auto: the base checkpoint's own")
     push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
     private: bool = False
 

@@ -203,7 +203,8 @@ def write_compare(records: list[dict], recipe: Recipe, folder: Path) -> str:
     buf = io.StringIO()
     keys = ["scorer", "sparsity", "budget", "gqa", "compensation", "pruned_heads", "base", "pruned", "delta",
             "ci_low", "ci_high",
-            "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else [])
+            "windows", "tokens"] + (["fidelity"] if records and "fidelity" in records[0] else []) \
+        + (["unexplained", "unexplained_relative"] if any("unexplained" in r for r in records) else [])
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
     w.writeheader()
     w.writerows(r for r in records if "error" not in r)
@@ -246,6 +247,58 @@ def sensitivity_text(metrics: dict) -> str | None:
             f"(only with {sens['convention']}: {sens['only_this']}; only with {sens['other']}: {sens['only_other']}).")
 
 
+def refit_text(metrics: dict) -> str | None:
+    """What a refit compensation left unexplained, per layer (None without a refit)."""
+    fit = metrics.get("refit")
+    if not fit or not fit.get("layers"):
+        return None
+    rows = [[layer, f"{v['pruned']:.4g}", f"{v['unexplained']:.4g}",
+             f"{v['unexplained'] / v['pruned']:.1%}" if v["pruned"] > 0 else "n/a",
+             "n/a" if v.get("relative") is None else f"{v['relative']:.3g}"]
+            for layer, v in sorted(fit["layers"].items(), key=lambda kv: int(kv[0]))]
+    intercept = {v["intercept"] for v in fit["layers"].values()}
+    how = ("with an intercept (centred moments, the constant into the bias)" if intercept == {True} else
+           "without an intercept (uncentred moments, no bias)" if intercept == {False} else
+           "with an intercept where the output projection has a bias")
+    return (f"**Refit compensation** ({fit.get('mode', 'oneshot')}, ridge {fit['ridge']:g} x the mean diagonal, "
+            f"{how}). Per layer, the energy the pruned heads wrote (around their mean with an intercept) and "
+            "what the kept heads could not rebuild, E ||W_P x_P - W_P A^T x_K||^2 per calibration token "
+            "(the Schur complement), also relative to the residual stream's mean squared norm R_l:\n\n"
+            + markdown_table(["layer", "pruned energy", "unexplained", "share unexplained", "unexplained / R_l"],
+                             rows))
+
+
+def plot_refit(metrics: dict, path: Path) -> bool:
+    """Per-layer bar plot of the refit's pruned vs unexplained energy (relative to R_l when known)."""
+    fit = metrics.get("refit")
+    if not fit or not fit.get("layers"):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted(fit["layers"], key=int)
+    rel = all(fit["layers"][k].get("residual") for k in layers)
+    scale = [fit["layers"][k]["residual"] if rel else 1.0 for k in layers]
+    x = range(len(layers))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.5 * len(layers)), 3.6))
+    ax.bar([i - 0.2 for i in x], [fit["layers"][k]["pruned"] / s for k, s in zip(layers, scale)], 0.4,
+           label="pruned heads' energy")
+    ax.bar([i + 0.2 for i in x], [fit["layers"][k]["unexplained"] / s for k, s in zip(layers, scale)], 0.4,
+           label="unexplained after refit")
+    ax.set_xticks(list(x), layers)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("energy / R_l" if rel else "energy per token")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("refit compensation: what the kept heads could not rebuild", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plan_table(plan: dict) -> str:
     """The pruned heads in selection order (`plan` as in plan.json)."""
     return markdown_table(
@@ -262,7 +315,7 @@ def convention_phrase(metrics: dict) -> str:
     return f"{c} convention" if c in ("full", "content") else f"reads {c}"
 
 
-def run_report(metrics: dict, plan_json: str) -> str:
+def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
     """A short report.md for one pruning run."""
     lines = [f"# pruner: {metrics['model']}", "",
              f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
@@ -272,5 +325,10 @@ def run_report(metrics: dict, plan_json: str) -> str:
     sens = sensitivity_text(metrics)
     if sens:
         lines += [sens, ""]
+    fit = refit_text(metrics)
+    if fit:
+        lines += [fit, ""]
+        if figure:
+            lines += [f"![refit]({figure})", ""]
     lines += ["## Pruned heads", "", plan_table(json.loads(plan_json))]
     return "\n".join(lines) + "\n"

@@ -8,13 +8,12 @@ at its peak, from the model's geometry and the recipe's sizes:
 - the running statistics (float64 sums: pair matrices, output moments), twice
   (the total and the chunk being added);
 - the larger of the two passes:
-  - capture: one forward pass of a batch (hidden states of every layer when
-    output moments are asked, then the largest of: one layer's q/k/v with either
-    the attention weights CPU SDPA materialises (batch, heads, T, T) or capture's
-    own working set -- keys and values repeated over GQA groups in float32 and a
-    chunk of `chunk_size` query rows against every key, several (batch, heads,
-    chunk, keys) float32 tensors at once --, the MLP's activations, the logits of
-    the last position);
+  - capture: one forward pass of a batch through the model's body (the residual
+    stream, then the largest of: one layer's q/k/v with either the attention
+    weights CPU SDPA materialises (batch, heads, T, T) or capture's own working
+    set -- keys and values repeated over GQA groups in float32 and a chunk of
+    `chunk_size` query rows against every key, several (batch, heads, chunk, keys)
+    float32 tensors at once --, or the MLP's activations; no logits);
   - gradient (scorers that need it): one window's forward and backward, with every
     layer's activations kept for the backward.
 
@@ -108,18 +107,18 @@ def statistics_bytes(model, sizes: Sizes) -> int:
 
 def calibration_estimate(model, sizes: Sizes) -> Estimate:
     """Peak memory of one calibration pass over batches of `sizes` (see the module docstring)."""
-    from pruner.models import forward_parameters, input_device
+    from pruner.models import input_device
 
     s = _shape(model)
     L, H, KV, D, d, ffn, V = (s[k] for k in ("L", "H", "KV", "D", "d", "ffn", "V"))
     a = next(model.parameters()).element_size()  # activation bytes follow the weights' dtype
     B, T, c = sizes.batch_size, sizes.length, min(sizes.chunk_size, sizes.length)
     tokens = B * T
-    kept = (L + 1) * tokens * d * a if sizes.outputs else 2 * tokens * d * a  # hidden states of every layer
+    kept = 2 * tokens * d * a  # the residual stream in and out of a block (capture keeps no hidden states)
     qkv = tokens * ((H + 2 * KV) * D * 2 + H * D) * a  # q/k/v (and rotated copies), attention output
     sdpa = B * H * T * T * a if input_device(model).type == "cpu" else 0  # CPU SDPA holds the weights
     mlp = 3 * tokens * ffn * a
-    logits = (B if "logits_to_keep" in forward_parameters(type(model)) else tokens) * V * a  # capture: last only
+    logits = 0  # capture runs the model's body (`model.base_model`): no language-model head, no logits
     up = 0 if a >= 4 else 2 * B * H * T * D * 4  # half precision: query and key in float32
     repeated = B * H * T * D * 4 * (2 if sizes.outputs else 1)  # keys (and values) over GQA groups
     chunk = CHUNK_COPIES * B * H * c * T * 4

@@ -1,11 +1,13 @@
 """A run folder: what `pruner prune` writes, so that `export`, `evaluate` and people can read it back.
 
-    RUN/model/                       the pruned model (vanilla checkpoint; reload-checked) or NOT_SAVED.txt
+    RUN/model/                       the pruned model (dense, vanilla or per-layer compact; reload-checked)
     RUN/plan.json                    the heads, in selection order, with their scores and twins
     RUN/metrics.json                 perplexity change, parameters, latency, convention sensitivity
     RUN/recipe.yaml                  the resolved recipe
     RUN/report.md                    the same for a person
-    RUN/compensation.safetensors     the folded mean-compensation biases (not with `zero`)
+    RUN/compensation.safetensors     the compensation: folded biases `layer.<i>`, refitted weight deltas
+                                     `layer.<i>.weight` (not with `zero`)
+    RUN/refit.png                    with `refit`: per layer, the pruned heads' energy and what the refit left
     RUN/provenance.json              what it was made from: base model, tokenizer and data identities, versions
 
 While a run is in progress it is written to `.RUN.partial` next to RUN (`run_folder`), where its
@@ -24,10 +26,13 @@ from pruner import distributed, export, provenance, report, resume
 
 
 def save_model(result, folder: Path) -> None:
-    """Save the pruned model where vanilla `from_pretrained` can load it (reload-checked), or say why not."""
+    """Save the pruned model (dense for `mask`, compact for `remove`: vanilla where the family's config can say
+    it, else per-layer) in the recipe's storage dtype, reload-checked; or say why not."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        export.save_checkpoint(result.model, result.tokenizer, folder, removed=result.metrics["surgery"] == "remove")
+        saved = export.save_checkpoint(result.model, result.tokenizer, folder,
+                                       removed=result.metrics["surgery"] == "remove",
+                                       dtype=export.recipe_storage_dtype(result.recipe))
     except export.ExportError as e:
         for f in folder.iterdir():  # nothing half-written next to the note
             shutil.rmtree(f) if f.is_dir() else f.unlink()
@@ -36,7 +41,8 @@ def save_model(result, folder: Path) -> None:
         result.metrics["model_saved"] = False
         result.metrics["model_not_saved_because"] = str(e)
         return
-    result.metrics["model_saved"] = True
+    result.metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
+                          model_bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors")))
 
 
 def save_run(result, folder: Path) -> None:
@@ -44,12 +50,13 @@ def save_run(result, folder: Path) -> None:
     from pruner.pipeline import to_jsonable
 
     save_model(result, folder / "model")
-    export.save_compensation(result.bias, folder / export.COMPENSATION_FILE)
+    export.save_compensation(result.compensation, folder / export.COMPENSATION_FILE)
     plan_json = result.plan.to_json()
     (folder / "plan.json").write_text(plan_json + "\n")
     (folder / "metrics.json").write_text(json.dumps(to_jsonable(result.metrics), indent=1) + "\n")
     (folder / "recipe.yaml").write_text(result.recipe.to_yaml())
-    (folder / "report.md").write_text(report.run_report(result.metrics, plan_json))
+    figure = "refit.png" if report.plot_refit(result.metrics, folder / "refit.png") else None
+    (folder / "report.md").write_text(report.run_report(result.metrics, plan_json, figure))
     if getattr(result, "provenance", None):
         provenance.write(folder, result.provenance)
 

@@ -10,12 +10,13 @@ comparison runs through one code path.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from pruner import composition as cp
+from pruner import refit
 from pruner.stats import HeadStats
 
 Tensor = torch.Tensor
@@ -31,6 +32,21 @@ class ScoringInputs:
     gradient: Tensor | None = None  # Michel importance, when computed
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
+    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of each whole projection
+    intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
+    ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
+    _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
+
+    def refit_systems(self) -> list[refit.System]:
+        """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
+        Cholesky factor and inverse per layer, which scorers that do not need it never pay for)."""
+        if self.layer_gram is None:
+            raise ValueError("the refit-aware scorer needs the layers' W_O^T W_O (pruner.calibrate computes it)")
+        if not self._systems:
+            for layer, (m, gram, icpt) in enumerate(zip(self.stats.outputs, self.layer_gram, self.intercept)):
+                mu, s = refit.second_moment(m.o, m.joint, m.tokens, icpt)
+                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, layer))
+        return self._systems
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,41 @@ def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor
     return marginal * (1 - inputs.stats.sink_mass) / residual.to(k.dtype)[:, None]
 
 
+def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
+    """Marginal refit cost of pruning each alive head next: E_l(P_l + h) - E_l(P_l). (layer, head)
+
+    E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
+    heads already pruned; pruned heads get 0.
+    """
+    L, H = alive.shape
+    out = torch.zeros(L, H, dtype=torch.float64)
+    for layer, sys in enumerate(inputs.refit_systems()):
+        d = sys.gram.shape[0] // H
+        pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
+        base = sys.unexplained(pruned)
+        for h in alive[layer].nonzero().flatten().tolist():
+            with_h = pruned.clone()
+            with_h[h * d:(h + 1) * d] = True
+            out[layer, h] = sys.unexplained(with_h) - base
+    return out
+
+
+def _refit_energy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """What refit compensation cannot recover if the head goes next, relative to the residual stream.
+
+    Importance of head h in layer l, given the heads P already pruned there:
+    (E_l(P + h) - E_l(P)) / R_l, with E_l(P) = tr(W_P (S_PP - S_PK (S_KK + lam I)^-1 S_KP) W_P^T)
+    the energy the kept heads' refitted columns cannot rebuild (DESIGN section 8.1).
+    A head is cheap exactly when the other heads of its layer -- their sink channels
+    included, which write a near-constant vector -- reconstruct its output: literal
+    redundancy, and dormant near-constant heads. Greedy and re-scored after every
+    removal, since what the kept heads can rebuild depends on which are kept.
+    R_l is the sink-aware scorer's residual normalisation (a common cross-layer scale).
+    """
+    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(alive.shape[0])
+    return refit_costs(inputs, alive) / residual.double()[:, None]
+
+
 def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     """Full-row entropy (bertology style): the lowest-entropy heads go first."""
     return inputs.stats.entropy_full
@@ -173,6 +224,9 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
                "relative to the residual stream", reads="sink and content channels separated (no convention)"),
+    Scorer("refit-energy", _refit_energy, adaptive=True,
+           doc="what refit compensation cannot rebuild if the head goes next (Schur-complement energy), "
+               "relative to the residual stream", reads="head outputs (no attention rows)"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
            doc="greedy redundancy on full rows (sink included): the naive baseline"),
     Scorer("content-cosine", _redundancy, adaptive=True, convention=cp.CONTENT,

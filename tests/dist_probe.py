@@ -3,7 +3,8 @@
     [torchrun --standalone --nproc_per_node 2] tests/dist_probe.py OUT.pt
 
 Calibrates a tiny GPT-2 and a tiny Llama (capture statistics with output moments,
-gradient importance), scores perplexity windows and selects plans; rank 0 saves it all.
+gradient importance), scores perplexity windows, selects plans and fits refit
+compensation (one-shot and sequential); rank 0 saves it all.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from tiny import ragged_batch, tiny_model
 
-    from pruner import arch, distributed
+    from pruner import arch, distributed, surgery
     from pruner.calibrate import calibrate
+    from pruner.capture import CaptureConfig, capture_stats
     from pruner.data import pad
     from pruner.perplexity import EvalWindows, window_nll
     from pruner.scoring import get_scorer
@@ -43,9 +45,16 @@ def main() -> None:
         labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
         nll, count = window_nll(model, EvalWindows(batch.input_ids, batch.attention_mask, labels), batch_size=3)
         plans = {name: select(get_scorer(name), inputs, arch.geometry(model), SelectionConfig(target=0.25)).heads
-                 for name in ("sink-aware", "gradient", "fluctuation")}
+                 for name in ("sink-aware", "gradient", "fluctuation", "refit-energy")}
+        heads = plans["refit-energy"]
+        refit = surgery.compensate(model, heads, inputs.stats.outputs, "refit")
+        collect = lambda: capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(  # noqa: E731
+            metrics=(), outputs=True), batch_size=2).outputs
+        seq = surgery.refit_sequential(model, heads, collect)
+        comp = {f"{name}/{kind}/{layer}": v for name, c in (("oneshot", refit), ("sequential", seq))
+                for kind in ("bias", "weight") for layer, v in getattr(c, kind).items()}
         out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,
-                       "nll": nll, "count": count, "plans": plans}
+                       "nll": nll, "count": count, "plans": plans, "refit": comp}
     if distributed.is_main():
         torch.save({"world": distributed.world_size(), **out}, sys.argv[1])
 

@@ -77,6 +77,25 @@ def test_plan_then_apply_equals_prune():
     torch.testing.assert_close(other(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_apply_refit_keeps_a_vanilla_llama():
+    """Refit compensation from the plan's calibration: plain weights, no attention_bias, mask == remove."""
+    from pruner import surgery
+
+    model, tok = llama_in_memory()
+    plan = pruner.plan(model, tok, "shakespeare:calibration", target=0.5, budget="layer", **QUICK)
+    ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    comp = surgery.compensate(model, plan.heads, plan.calibration.stats.outputs, "refit")
+    with surgery.masked(model, plan.heads, comp), torch.no_grad():
+        scoped = model(ids).logits
+    with surgery.masked(model, plan.heads), torch.no_grad():
+        assert not torch.allclose(model(ids).logits, scoped, atol=1e-3)
+    pruner.apply(model, plan, compensation="refit", mode="remove")
+    assert not model.config.attention_bias and model.model.layers[0].self_attn.o_proj.bias is None
+    assert model.config.num_attention_heads == 4
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, scoped, rtol=0, atol=1e-5)
+
+
 def test_texts_in_memory_are_calibration_data():
     """A list of strings is the calibration text; the same text as a source gives the same plan."""
     from pruner import data

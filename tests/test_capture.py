@@ -45,6 +45,59 @@ def test_capture_equals_eager_maps(family):
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
+def _final_hidden_under_capture(model, batch, spec, config):
+    """The model body's last hidden state (B, T, d_model) while `Capture.run` forwards `batch` (one batch)."""
+    seen = []
+    hook = model.base_model.register_forward_hook(lambda m, args, out: seen.append(out[0].detach()))
+    try:
+        with Capture(model, spec, config=config) as cap:
+            cap.run(batch, batch_size=len(batch))
+    finally:
+        hook.remove()
+    return seen[0], cap.result()
+
+
+def test_fused_attention_keeps_the_models_outputs(family):
+    """Capture computes each layer's output from the statistics' own softmax; the model continues
+    with it, so its hidden states and logits must equal the plain (SDPA) model's at every real token."""
+    from pruner.models import forward
+
+    model = tiny_model(family)
+    batch = pad(ragged_batch(seed=7), pad_id=0, side="left" if family in CAUSAL else "right")
+    keep = batch.attention_mask.bool()
+    hidden, stats = _final_hidden_under_capture(model, batch, spec_for(family),
+                                                CaptureConfig(chunk_size=3, metrics=("cosine",), outputs=True))
+    assert stats.outputs is not None  # the fused path ran (output moments come only from it)
+    with torch.no_grad():
+        plain = forward(model.base_model, batch.input_ids, batch.attention_mask)[0]
+        torch.testing.assert_close(hidden[keep], plain[keep], rtol=0, atol=1e-5)
+        head = model.get_output_embeddings()
+        if head is not None:
+            torch.testing.assert_close(head(hidden)[keep], forward(model, batch.input_ids,
+                                                                   batch.attention_mask).logits[keep],
+                                       rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fam", ["gpt2", "llama"])
+def test_fused_attention_in_bfloat16_is_as_close_to_float32_as_sdpa(fam):
+    """bfloat16 models: scores in float32, output back in bfloat16. The hidden states under capture
+    differ from the float32 model's no more than bfloat16 SDPA's do (bfloat16 rounding, not capture)."""
+    from pruner.models import forward
+
+    batch = pad(ragged_batch(seed=8), pad_id=0)
+    keep = batch.attention_mask.bool()
+    ref = tiny_model(fam)
+    half = tiny_model(fam).to(torch.bfloat16)
+    hidden, _ = _final_hidden_under_capture(half, batch, SinkSpec("first"), CaptureConfig(outputs=True))
+    assert hidden.dtype == torch.bfloat16
+    with torch.no_grad():
+        exact = forward(ref.base_model, batch.input_ids, batch.attention_mask)[0][keep]
+        sdpa = forward(half.base_model, batch.input_ids, batch.attention_mask)[0][keep].float()
+    err_capture = (hidden[keep].float() - exact).abs().max()
+    err_sdpa = (sdpa - exact).abs().max()
+    assert err_capture <= 1.5 * err_sdpa + 1e-3, (err_capture, err_sdpa)
+
+
 def test_capture_restores_implementation_on_error():
     model = tiny_model("llama")
     with pytest.raises(RuntimeError, match="boom"):

@@ -1,9 +1,11 @@
-"""Several processes give the statistics, gradients, NLLs and plans of one process.
+"""Several processes give the statistics, gradients, NLLs, plans and refit compensation of one process.
 
 Each test launches `torchrun --standalone --nproc_per_node 2` (gloo on CPU, no
 network) and compares with the same computation in one process. Samples are
 sharded rank::world and partial sums are added in rank order, so the only
-difference left is float64 summation order (~1e-15); the plans are identical.
+difference left is float64 summation order (~1e-15) -- and, for second moments of
+the head outputs, float32 products of differently composed batches (~1e-7 of
+their scale); the plans are identical.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ def launch(args: list[str], procs: int) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+SECOND = ("/oo", "/uu", "/ww", "/joint")
+
+
+def _second_moment_tol(x: torch.Tensor) -> float:
+    """Second output moments are float32 products of each batch's centred rows, summed across batches in
+    float64: another batch composition (each process batches its own shard) rounds them differently,
+    by ~1e-7 of their scale."""
+    return 1e-6 * float(x.abs().max())
+
+
 def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
     launch([str(PROBE), str(tmp_path / "one.pt")], 1)
     launch([str(PROBE), str(tmp_path / "two.pt")], 2)
@@ -41,11 +53,16 @@ def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
         a, b = one[family], two[family]
         assert a["stats"].keys() == b["stats"].keys()
         for key in a["stats"]:
-            torch.testing.assert_close(b["stats"][key], a["stats"][key], rtol=1e-12, atol=1e-12, msg=key)
-        for key in ("gradient", "cross", "nll"):
+            torch.testing.assert_close(b["stats"][key], a["stats"][key], rtol=1e-12, msg=key,
+                                       atol=_second_moment_tol(a["stats"][key]) if key.endswith(SECOND) else 1e-12)
+        for key in ("gradient", "nll"):
             torch.testing.assert_close(b[key], a[key], rtol=1e-12, atol=1e-12, msg=key)
+        torch.testing.assert_close(b["cross"], a["cross"], rtol=1e-12, atol=_second_moment_tol(a["cross"]))
         assert torch.equal(a["count"], b["count"])
         assert a["plans"] == b["plans"], family
+        assert a["refit"].keys() == b["refit"].keys() and any("weight" in k for k in a["refit"])
+        for key in a["refit"]:  # float32 weights from float64 sums that agree to ~1e-15
+            torch.testing.assert_close(b["refit"][key], a["refit"][key], rtol=1e-6, atol=1e-7, msg=key)
 
 
 def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):

@@ -1,9 +1,11 @@
 """`pruner export` end to end on the shipped GPT-2, Llama (GQA) and BERT (causal MiniLM) checkpoints.
 
-Every exported format is reloaded with vanilla transformers and its logits compared
-with an independent in-memory pruned model (base + scoped mask + folded bias); the
-refusals write nothing; the push runs against a recording fake client and an
-unreachable local endpoint (no network).
+Every exported format is reloaded -- vanilla transformers for dense and vanilla compact
+checkpoints, trust_remote_code=True and pruner's own loader for per-layer ones -- and
+its logits and greedy generations compared with an independent in-memory pruned
+model (base + scoped mask + folded bias, rounded to the storage dtype); the default
+plan of every shipped recipe exports compact; the refusals write nothing; the push
+runs against a recording fake client and an unreachable local endpoint (no network).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pruner import export, models, surgery
+from pruner import compact, export, models, surgery
 from pruner.cli import main
 from tiny import tiny_model
 
@@ -52,10 +54,15 @@ def runs(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in made:
             out = base / name
+            refit = ["--set", "surgery.compensation=refit"]
             extra = {"gpt2": ["--set", "export.format=dense", "--set", "export.push_to_hub=me/gpt2-pruned"],
                      "llama": ["--set", "selection.target=0.5"],  # 4 of 8 heads per layer: 256 / 4 divides
-                     "minilm": []}[name]
-            recipe = {"gpt2": "gpt2-shakespeare", "llama": "llama-shakespeare", "minilm": "quickstart"}[name]
+                     "llama-default": [],  # 6 of 8 heads per layer: Llama's config refuses 256 / 6
+                     "minilm": [],
+                     "llama-refit": ["--set", "selection.target=0.5", "--set", "export.format=compact"] + refit,
+                     "minilm-refit": refit + ["--set", "calibration.num_samples=8"]}[name]  # >= 384 tokens
+            recipe = {"gpt2": "gpt2-shakespeare", "llama": "llama-shakespeare", "llama-default": "llama-shakespeare",
+                      "minilm": "quickstart", "llama-refit": "llama-shakespeare", "minilm-refit": "quickstart"}[name]
             hub = FakeHub()
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(export, "hub_client", lambda: hub)
@@ -68,28 +75,54 @@ def runs(tmp_path_factory):
     return get
 
 
-def reference_logits(run_dir: Path) -> torch.Tensor:
-    """The pruned model in memory by another code path: base + scoped mask + folded bias. (1, T, vocab)"""
+def reference(run_dir: Path, generate: bool = False):
+    """The pruned model in memory by another code path: base + permanent mask + compensation, every
+    parameter rounded to the export's storage dtype as the checkpoint stores it (the shipped bases are
+    float16 already, so only the compensated output projections change). Logits (1, T, vocab) [, greedy tokens]."""
     run = export.load_run(run_dir)
     model = models.load_base(run.recipe.model)
     ids = models.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
-    with surgery.masked(model, run.heads, run.bias), torch.no_grad():
-        return models.forward(model, ids, torch.ones_like(ids)).logits
+    store = getattr(torch, export.storage_dtype(run))
+    surgery.mask_heads(model, run.heads, run.compensation)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(store).float())
+        logits = models.forward(model, ids, torch.ones_like(ids)).logits
+        return (logits, greedy(model, ids)) if generate else logits
 
 
-def reloaded_logits(folder: Path, run_dir: Path):
+def reference_logits(run_dir: Path) -> torch.Tensor:
+    return reference(run_dir)
+
+
+def greedy(model, ids):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              use_cache=True, pad_token_id=0)
+
+
+def reloaded_logits(folder: Path, run_dir: Path, loader: str = "transformers"):
+    """Logits of an export loaded as its model card says: plain transformers (trust_remote_code=True for a
+    per-layer checkpoint), or `loader="pruner"`: pruner's own loader (no code from the folder)."""
     from transformers import AutoModelForCausalLM
 
     run = export.load_run(run_dir)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    per_layer = "pruner_format" in json.loads((folder / "config.json").read_text())
+    if loader == "pruner":
+        model = compact.load(folder, dtype="float32")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=per_layer).eval()
     ids = models.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
     with torch.no_grad():
         return model, models.forward(model, ids, torch.ones_like(ids)).logits
 
 
-@pytest.mark.parametrize("name,fmt", [("gpt2", "dense"), ("llama", "dense"), ("llama", "compact"),
-                                      ("minilm", "dense")])
-def test_export_reloads_with_the_pruned_logits(runs, name, fmt, capsys):
+@pytest.mark.parametrize("name,fmt,layout", [
+    ("gpt2", "dense", "dense"), ("gpt2", "compact", "per-layer"),               # GPT-2: head width = n_embd / n_head
+    ("llama", "dense", "dense"), ("llama", "compact", "vanilla"),               # 4 of 8 heads in every layer
+    ("llama-default", "compact", "per-layer"),                                  # 6 of 8: the config refuses 256 / 6
+    ("minilm", "dense", "dense"), ("minilm", "compact", "per-layer")])          # the quickstart's global budget
+def test_export_reloads_with_the_pruned_logits(runs, name, fmt, layout, capsys):
     run_dir = runs(name)
     out = run_dir / f"export-{fmt}"
     if not out.exists():  # GPT-2's came from its recipe's export section
@@ -98,26 +131,66 @@ def test_export_reloads_with_the_pruned_logits(runs, name, fmt, capsys):
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "plan.json"} <= {
         p.name for p in out.iterdir()}
     assert (out / "plan.json").read_text() == (run_dir / "plan.json").read_text()
-    model, got = reloaded_logits(out, run_dir)
-    torch.testing.assert_close(got, reference_logits(run_dir), rtol=0, atol=1e-5)
+    config = json.loads((out / "config.json").read_text())
+    assert ("pruner_format" in config) == (layout == "per-layer") == any(out.glob("modeling_pruned_*.py"))
+    assert config["dtype"] == "float16"  # the shipped checkpoints' own storage dtype (their config says float32)
+    want, tokens = reference(run_dir, generate=True)
+    for loader in ("transformers", "pruner") if layout == "per-layer" else ("transformers",):
+        model, got = reloaded_logits(out, run_dir, loader)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        prompt = tokens[:, :-8]
+        assert torch.equal(greedy(model, prompt), tokens), loader  # the KV cache path, token for token
 
-    # mean compensation is in the checkpoint: o-proj bias = base bias + folded delta
+    # mean compensation is in the checkpoint: o-proj bias = base bias + folded delta, stored in float16
     run = export.load_run(run_dir)
     layer = next(iter(run.heads))
     base = models.load_base(run.recipe.model)
-    o_new, o_old = (surgery.arch.get(surgery.arch.blocks(m)[layer], surgery.arch.adapter_for(m).o_proj)
+    ad = surgery.arch.adapter_for(base)  # (a per-layer model has no single geometry: paths from the base's adapter)
+    o_new, o_old = (surgery.arch.get(surgery.arch.get(m.base_model, ad.layers)[layer], ad.o_proj)
                     for m in (model, base))
     old_bias = o_old.bias if o_old.bias is not None else torch.zeros_like(o_new.bias)
     assert run.bias[layer].abs().max() > 0
-    torch.testing.assert_close(o_new.bias - old_bias, run.bias[layer], rtol=0, atol=1e-6)
+    torch.testing.assert_close(o_new.bias, (old_bias + run.bias[layer]).half().float(), rtol=0, atol=0)
 
     n_params = sum(p.numel() for p in model.parameters())
-    if fmt == "compact":
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    if layout == "vanilla":
         assert model.config.num_attention_heads == 4 and model.config.num_key_value_heads == 2
-        assert n_params == json.loads((run_dir / "metrics.json").read_text())["params_after"]
+    if fmt == "compact" and metrics["surgery"] == "remove":
+        assert n_params == metrics["params_after"]
+    if fmt == "compact":
         assert n_params < sum(p.numel() for p in base.parameters())
+        base_bytes = (Path(models.resolve(run.recipe.model.path)) / "model.safetensors").stat().st_size
+        assert (out / "model.safetensors").stat().st_size < base_bytes  # smaller than the model it came from
     else:
         assert n_params >= sum(p.numel() for p in base.parameters())  # shapes kept (+ Llama's added biases)
+
+
+@pytest.mark.parametrize("name,fmt", [("llama-refit", "compact"), ("llama-refit", "dense"), ("minilm-refit", "dense")])
+def test_refit_export_reloads_with_vanilla_transformers_and_no_config_change(runs, name, fmt, capsys):
+    """Refit compensation is plain weights: Llama exports without attention_bias (no o-proj bias at all),
+    BERT keeps its own bias (+ the intercept); both reload with the pruned logits."""
+    run_dir = runs(name)
+    out = run_dir / f"export-{fmt}"
+    if not out.exists():  # the Llama compact one came from its recipe's export section
+        assert main(["export", str(run_dir), "--format", fmt]) == 0
+    model, got = reloaded_logits(out, run_dir)
+    torch.testing.assert_close(got, reference_logits(run_dir), rtol=0, atol=1e-5)
+    run = export.load_run(run_dir)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert run.compensation.kind == metrics["compensation"] == "refit" and set(run.compensation.weight) == \
+        set(run.heads) == {int(k) for k in metrics["refit"]["layers"]}
+    fit = metrics["refit"]["layers"][str(next(iter(run.heads)))]
+    assert 0 <= fit["unexplained"] < fit["pruned"] and fit["relative"] == pytest.approx(fit["unexplained"] /
+                                                                                           fit["residual"])
+    assert "Refit compensation" in (run_dir / "report.md").read_text() and (run_dir / "refit.png").exists()
+    assert "`refit`: the kept heads' output-projection columns" in (out / "README.md").read_text()
+    if name.startswith("llama"):
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["attention_bias"] is False and not run.compensation.bias
+        assert all(b.self_attn.o_proj.bias is None for b in model.model.layers)
+    else:
+        assert set(run.compensation.bias) == set(run.heads)
 
 
 def test_recipe_export_section_pushes_through_the_client(runs):
@@ -147,31 +220,42 @@ def test_model_card_metadata_parses_with_huggingface_hub(runs):
             assert text in card.text, text
 
 
-@pytest.mark.parametrize("name", ["gpt2", "minilm"])
-def test_compact_is_refused_without_explicit_head_dim(runs, name, capsys):
-    out = runs(name).parent / f"{name}-compact"
-    assert main(["export", str(runs(name)), "--format", "compact", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.splitlines()[-1]  # after transformers' loading progress
-    assert err.startswith("pruner: error: cannot write a compact checkpoint") and "no explicit head_dim" in err
-    assert "--format dense" in err and "Traceback" not in err
-    assert not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+def test_per_layer_model_card_says_how_to_load_it_and_why(runs):
+    from huggingface_hub import ModelCard
+
+    folder = runs("minilm") / "export-compact"
+    if not folder.exists():
+        assert main(["export", str(runs("minilm")), "--format", "compact"]) == 0
+    card = ModelCard.load(folder / "README.md")
+    assert "custom_code" in card.data.tags and "(compact, per-layer)" in card.text
+    for text in ('AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)',
+                 "Why `trust_remote_code=True`", "`modeling_pruned_bert.py`", "imports only transformers and torch",
+                 'pruner.load("path/to/this/folder")', "the bert config derives the head width from hidden_size",
+                 "`num_attention_heads_per_layer`", "stored in float16 (the base checkpoint's own dtype)",
+                 "greedy generation with the KV cache gives the same tokens"):
+        assert text in card.text, text
 
 
-def test_compact_is_refused_for_unequal_heads_per_layer(runs, tmp_path, capsys):
+def test_unequal_heads_per_layer_export_the_per_layer_form(runs, tmp_path, capsys):
     """A global budget can leave layers with different head counts: no vanilla Llama config says that."""
     run_dir = tmp_path / "uneven"
     shutil.copytree(runs("llama"), run_dir, ignore=shutil.ignore_patterns("model", "export-*"))
     plan = json.loads((run_dir / "plan.json").read_text())
     plan["heads"] = {"0": [0, 1, 4, 5]}  # layer 0 keeps 4 heads (2 per KV group), the others 8
     (run_dir / "plan.json").write_text(json.dumps(plan))
-    assert main(["export", str(run_dir), "--format", "compact"]) == 2
-    err = capsys.readouterr().err
-    assert "head counts differ between layers (layer 0: 4, layer 1: 8" in err and "--format dense" in err
-    assert not (run_dir / "export-compact").exists()
+    assert main(["export", str(run_dir), "--format", "compact"]) == 0
+    out = run_dir / "export-compact"
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_attention_heads_per_layer"] == [4, 8, 8, 8][:config["num_hidden_layers"]]
+    assert "head counts differ between layers (layer 0: 4/2 kv, layer 1: 8/2 kv" in (out / "README.md").read_text()
+    for loader in ("transformers", "pruner"):
+        _, got = reloaded_logits(out, run_dir, loader)
+        torch.testing.assert_close(got, reference_logits(run_dir), rtol=0, atol=1e-5)
 
 
-def test_mean_compensation_is_refused_where_the_config_cannot_hold_the_bias(tmp_path, capsys):
-    """Mistral's config has no attention_bias: a folded o-proj bias would be dropped on reload."""
+def test_a_bias_the_config_cannot_declare_exports_compact_only(runs, tmp_path, capsys):
+    """Mistral's config has no attention_bias: a folded o-proj bias would be dropped by a vanilla reload, so
+    dense is refused (pointing at compact) and the per-layer form declares the bias."""
     from transformers import AutoTokenizer
 
     base = tmp_path / "mistral"
@@ -181,13 +265,52 @@ def test_mean_compensation_is_refused_where_the_config_cannot_hold_the_bias(tmp_
     run_dir.mkdir()
     (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
     (run_dir / "plan.json").write_text(json.dumps({"heads": {"0": [0, 1]}, "entries": []}))  # a whole KV group
-    (run_dir / "metrics.json").write_text(json.dumps({"compensation": "mean"}))
+    metrics = json.loads((runs("llama") / "metrics.json").read_text())  # any run's figures: the card needs some
+    (run_dir / "metrics.json").write_text(json.dumps({**metrics, "compensation": "mean", "pruned_heads": 2}))
     export.save_compensation({0: torch.randn(32)}, run_dir / export.COMPENSATION_FILE)
-    for fmt in export.FORMATS:
-        assert main(["export", str(run_dir), "--format", fmt]) == 2
-        err = capsys.readouterr().err
-        assert "mistral config cannot declare" in err and "surgery.compensation=zero" in err
-        assert not (run_dir / f"export-{fmt}").exists()
+    assert main(["export", str(run_dir), "--format", "dense"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write a dense checkpoint" in err and "mistral config cannot declare" in err
+    assert "--format compact" in err and "surgery.compensation=refit" in err
+    assert not (run_dir / "export-dense").exists()
+    assert main(["export", str(run_dir), "--format", "compact"]) == 0
+    config = json.loads((run_dir / "export-compact" / "config.json").read_text())
+    assert config["o_proj_bias_per_layer"] == [True, False] and config["dtype"] == "float32"  # tiny: float32
+
+
+def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
+    """Mistral: the refitted weights need no bias, so both formats export and reload with the pruned logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pruner.capture import CaptureConfig, capture_stats
+    from pruner.data import pad
+    from pruner.sinks import SinkSpec
+    from tiny import ragged_batch
+
+    base = tmp_path / "mistral"
+    model = tiny_model("mistral")
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(models.resolve("llama-shakespeare")).save_pretrained(base)
+    heads = {0: [0, 1], 1: [2, 3]}  # one whole KV group per layer: 2 query heads over 1 KV head everywhere
+    batch = pad(ragged_batch(seed=3, n=10), 0)
+    outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
+    comp = surgery.compensate(model, heads, outputs, "refit")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
+    (run_dir / "plan.json").write_text(json.dumps({"heads": {str(k): v for k, v in heads.items()}, "entries": []}))
+    (run_dir / "metrics.json").write_text(json.dumps({"compensation": "refit"}))
+    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
+    ids = batch.input_ids[:2]
+    with surgery.masked(model, heads, comp), torch.no_grad():
+        want = model(ids).logits
+    for fmt in export.FORMATS:  # rebuilt from the run folder alone, saved, reload-checked
+        rebuilt, tok = export.rebuild(export.load_run(run_dir), fmt)
+        assert export.save_checkpoint(rebuilt, tok, tmp_path / fmt, removed=fmt == "compact").max_diff <= export.ATOL
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32).eval()
+        assert reloaded.config.model_type == "mistral" and reloaded.model.layers[0].self_attn.o_proj.bias is None
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(ids).logits, want, rtol=0, atol=1e-5)
 
 
 def test_a_checkpoint_that_reloads_differently_is_refused(tmp_path, word_tokenizer):
@@ -196,7 +319,7 @@ def test_a_checkpoint_that_reloads_differently_is_refused(tmp_path, word_tokeniz
     model = tiny_model("mistral")
     surgery.mask_heads(model, {0: [0, 1]}, {0: torch.randn(32)})
     del model._pruner_bias_not_in_config
-    with pytest.raises(export.ExportError, match="reloads with logits off by"):
+    with pytest.raises(export.ExportError, match=r"reloads \(transformers AutoModelForCausalLM\) with logits off by"):
         export.save_checkpoint(model, word_tokenizer, tmp_path, removed=False)
 
 
@@ -252,3 +375,48 @@ def test_failed_push_keeps_the_local_export_and_says_what_to_do(runs, tmp_path, 
         assert text in err, text
     _, got = reloaded_logits(out, runs("minilm"))
     torch.testing.assert_close(got, reference_logits(runs("minilm")), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,sets,layout", [
+    ("qwen2", [], "per-layer"),                                   # the default plan: global budget, uneven
+    ("gpt_neox", [], "per-layer")])
+def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, tmp_path, capsys):
+    """Random Qwen2 (its config has no head_dim, as on the Hub) and GPT-NeoX with the shipped tokenizer, pruned
+    with the default plan. (Equal counts without compensation make a vanilla Qwen2, with an explicit head_dim
+    written: tests/test_compact.py.)"""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    model = (tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common)) if family == "qwen2" else
+             tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**common)))
+    base = tmp_path / family
+    model.save_pretrained(base)
+    assert "head_dim" not in json.loads((base / "config.json").read_text())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(models.resolve("gpt2-shakespeare")) / f, base / f)
+    (tmp_path / "recipe.yaml").write_text(f"model: {{path: {base}}}\nsinks: {{mode: first}}\n")
+    run_dir = tmp_path / "run"
+    assert main(["prune", str(tmp_path / "recipe.yaml"), "--out", str(run_dir), *QUICK,
+                 *(x for s in sets for x in ("--set", s))]) == 0
+    assert main(["export", str(run_dir), "--format", "compact"]) == 0
+    out = run_dir / "export-compact"
+    config = json.loads((out / "config.json").read_text())
+    assert ("pruner_format" in config) == (layout == "per-layer") and config["model_type"] == f"pruned_{family}"
+    want, tokens = reference(run_dir, generate=True)
+    for loader in ("transformers", "pruner"):  # pruner.load reads vanilla checkpoints too
+        reloaded, got = reloaded_logits(out, run_dir, loader)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert torch.equal(greedy(reloaded, tokens[:, :-8]), tokens), loader
+
+
+def test_prune_saves_its_model_in_the_base_checkpoints_dtype(runs):
+    """The quickstart's model/ used to be float32 (twice the shipped float16 original); now it is the base's
+    own dtype, dense in mask mode, the per-layer compact form in remove mode (llama-shakespeare's 6 of 8)."""
+    for name, layout in (("minilm", "dense"), ("llama-default", "per-layer")):
+        metrics = json.loads((runs(name) / "metrics.json").read_text())
+        assert (metrics["model_layout"], metrics["model_dtype"]) == (layout, "float16")
+        assert json.loads((runs(name) / "model" / "config.json").read_text())["dtype"] == "float16"
+        base = Path(models.resolve(export.load_run(runs(name)).recipe.model.path)) / "model.safetensors"
+        assert metrics["model_bytes"] <= base.stat().st_size

@@ -68,6 +68,14 @@ def build_env(d: Path) -> Path:
     m.save_pretrained(nan)
     _tiny(d / "opt", "opt", hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
           max_position_embeddings=64, word_embed_proj_dim=32)
+    twins = _tiny(d / "twin-heads", "gpt2", **gpt2)  # every head of every layer the same: singular moments
+    m = tf.AutoModelForCausalLM.from_pretrained(twins)
+    with torch.no_grad():
+        for block in m.transformer.h:
+            w, b = block.attn.c_attn.weight.view(32, 3, 4, 8), block.attn.c_attn.bias.view(3, 4, 8)
+            w[:] = w[:, :, :1].clone()
+            b[:] = b[:, :1].clone()
+    m.save_pretrained(twins)
     nobos = _tiny(d / "nobos", "gpt2", **gpt2)
     tok = tf.AutoTokenizer.from_pretrained(nobos)
     tok.bos_token = None
@@ -80,6 +88,12 @@ def build_env(d: Path) -> Path:
         # one head per KV group in one layer: 2 and 4 query heads per layer, which no Llama config can say
         assert main(["prune", str(d / "recipe.yaml"), *TINY, "--set", f"model.path={llama}", "--set",
                      "selection.target=2", "--out", str(d / "llama-run")]) == 0
+        # ... so its compact export is per-layer; a copy with a hand-edited config no longer fits its weights
+        assert main(["export", str(d / "llama-run"), "--format", "compact", "--out", str(d / "per-layer")]) == 0
+    shutil.copytree(d / "per-layer", d / "edited-per-layer")
+    config = json.loads((d / "edited-per-layer" / "config.json").read_text())
+    config["num_attention_heads_per_layer"] = config["num_attention_heads_per_layer"][::-1]
+    (d / "edited-per-layer" / "config.json").write_text(json.dumps(config))
     (d / "malformed.yaml").write_text("model:\n  path: [unclosed\n")
     (d / "unknown.yaml").write_text(f"model: {{path: {tiny}, colour: red}}\n")
     (d / "wrongtype.yaml").write_text(f"model: {{path: {tiny}}}\nselection: {{target: lots}}\n")
@@ -196,9 +210,22 @@ CASES = [
     ("compare: bad sparsity list", lambda e: ["compare", str(e / "recipe.yaml"), "--sparsities", "0.1,1.5"], 2,
      r"--sparsities: '1.5' is neither a fraction in \(0, 1\) nor a whole head count"),
     ("compare: unknown compensation", lambda e: ["compare", str(e / "recipe.yaml"), "--compensation", "half"], 2,
-     r"unknown compensation \['half'\]; valid: zero, mean"),
-    ("compact export the config cannot express", lambda e: ["export", e / "llama-run", "--format", "compact"], 2,
-     r"cannot write a compact checkpoint: .*head counts differ between layers.* Use the dense form"),
+     r"unknown compensation \['half'\]; valid: zero, mean, refit"),
+    ("per-layer checkpoint with an edited config", lambda e: ["sinks", e / "edited-per-layer"], 2,
+     r"edited-per-layer: config.json does not match the weights: model.layers.0.self_attn.o_proj.weight is "
+     r"\[64, \d+\] in the checkpoint but \[64, \d+\] by the config's head counts \(was config.json edited"),
+    ("refit: fewer calibration tokens than channels", lambda e: _recipe(e, "surgery.compensation=refit",
+                                                                        "calibration.num_samples=1",
+                                                                        "calibration.length=8"), 2,
+     r"refit compensation of layer 0 fits 32 output-projection channels from only 8 calibration tokens; use at "
+     r"least 32 tokens"),
+    ("refit: negative ridge", lambda e: _recipe(e, "surgery.compensation=refit", "surgery.ridge=-1"), 2,
+     r"surgery.ridge: Input should be greater than or equal to 0"),
+    ("refit: singular system (twin heads, ridge 0)", lambda e: _recipe(e, f"model.path={e / 'twin-heads'}",
+                                                                       "surgery.compensation=refit",
+                                                                       "surgery.ridge=0"), 2,
+     r"refit compensation of layer \d: the (kept heads' second moment is singular|system is ill-conditioned).* "
+     r"surgery.ridge"),
     ("export of a folder that is not a run", lambda e: ["export", e / "tiny-llama", "--format", "dense"], 2,
      r"tiny-llama is not a pruner run folder \(no recipe.yaml, plan.json, metrics.json\)"),
     ("analyze: --compare-to with another tokenizer", lambda e: ["analyze", e / "tiny-gpt2", "--compare-to",
@@ -334,7 +361,7 @@ def test_interrupted_export_leaves_nothing(env, tmp_path, capsys, monkeypatch):
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(export, "reload_diff", interrupt)  # Ctrl-C while the written checkpoint is checked
+    monkeypatch.setattr(export.compact, "verify", interrupt)  # Ctrl-C while the written checkpoint is checked
     out = tmp_path / "export"
     assert main(["export", str(env / "llama-run"), "--format", "dense", "--out", str(out)]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"

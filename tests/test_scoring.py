@@ -116,3 +116,18 @@ def test_gradient_matches_finite_differences():
             raw[layer, h] = abs(vals[0] - vals[1]) / (2 * eps)
     got = gradient_importance(model, batch)
     torch.testing.assert_close(got, raw / raw.norm(dim=-1, keepdim=True), rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_importance_computes_no_weight_gradients_and_restores_the_flags():
+    """Only the head mask needs a gradient: weights are frozen during the passes (no model-sized .grad)."""
+    model = tiny_model("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)  # a flag the caller chose stays as it was
+    seen = []
+    hook = arch.get(arch.blocks(model)[0], arch.adapter_for(model).o_proj).register_forward_hook(
+        lambda m, args, out: seen.append(m.weight.requires_grad))
+    gradient_importance(model, pad(ragged_batch(seed=2, n=2), 0))
+    hook.remove()
+    assert seen and not any(seen)
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if n != "model.embed_tokens.weight")

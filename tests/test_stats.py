@@ -13,10 +13,10 @@ from pruner import stats as st
 pytestmark = pytest.mark.unit
 
 
-def random_chunk(seed=0, B=2, H=3, T=7):
+def random_chunk(seed=0, B=2, H=3, T=7, sink_shift=3.0):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(B, H, T, T, generator=g, dtype=torch.float64) * 2
-    z[..., 0] += 3.0  # a sink at key 0
+    z[..., 0] += sink_shift  # a sink at key 0
     lengths = [T, T - 2]
     keys = torch.zeros(B, T, dtype=torch.bool)
     for b, L in enumerate(lengths):
@@ -29,8 +29,10 @@ def random_chunk(seed=0, B=2, H=3, T=7):
     return z, sink, valid, rows
 
 
-def test_chunk_stats_match_naive_rows():
-    z, sink, valid, rows = random_chunk()
+@pytest.mark.parametrize("sink_shift", [3.0, -100.0])
+def test_chunk_stats_match_naive_rows(sink_shift):
+    """-100: the first sink's weight underflows (e^-100), so the log-normaliser falls back to the row maxima."""
+    z, sink, valid, rows = random_chunk(sink_shift=sink_shift)
     B, H, T, _ = z.shape
     s = st.finalize([st.chunk_stats(z, sink, valid, rows, metrics=("cosine", "js", "tv", "hellinger"))])
     n, nc = 0, 0

@@ -1,4 +1,4 @@
-"""Surgery on every adapter family: mask == remove (zero and mean), exact parameter counts, generation."""
+"""Surgery on every adapter family: mask == remove (zero, mean, refit), exact parameter counts, generation."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_mask_equals_remove(family, compensation):
     heads = heads_for(family)
     ref = tiny_model(family)
     outputs = outputs_of(ref, batch, family)
-    bias = surgery.compensation_bias(ref, heads, outputs) if compensation == "mean" else None
+    bias = surgery.compensate(ref, heads, outputs, compensation)
     with surgery.masked(ref, heads, bias):
         scoped = logits(ref, batch)
     full = logits(ref, batch)

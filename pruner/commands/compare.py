@@ -14,7 +14,7 @@ def add_parser(sub, common) -> None:
     recipe_args(p, default_out="runs/<recipe name>-compare")
     p.add_argument("--scorers", help="comma-separated scorer names (default: all)")
     p.add_argument("--sparsities", default="0.1,0.25,0.4,0.5", help="comma-separated fractions or counts")
-    p.add_argument("--compensation", default="zero,mean", help="comma-separated: zero, mean")
+    p.add_argument("--compensation", default="zero,mean,refit", help="comma-separated: zero, mean, refit")
     p.add_argument("--budgets", help="comma-separated selection budgets to compare: global, layer "
                                      "(default: the recipe's)")
     p.add_argument("--gqa", help="comma-separated GQA modes to compare: equal, group (default: the recipe's)")

@@ -9,12 +9,16 @@ def add_parser(sub, common) -> None:
     p = sub.add_parser("export", parents=[common],
                        help="a shareable checkpoint of a run (dense or compact) + model card; push",
                        description="Rebuild a run's pruned model from RUN_DIR (recipe.yaml, plan.json, "
-                                   "compensation.safetensors), write it as a vanilla transformers checkpoint "
-                                   "with a model card, check that it reloads, and optionally push it to the Hub.")
+                                   "compensation.safetensors), write it as a transformers checkpoint with a model "
+                                   "card, check that it reloads (logits and greedy generation), and optionally "
+                                   "push it to the Hub.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="output folder of `pruner prune`")
     p.add_argument("--format", required=True, choices=("dense", "compact"),
                    help="dense: pruned heads zeroed, original shapes, loads anywhere; compact: heads removed, "
-                        "smaller (only where the config can express it)")
+                        "smaller -- a vanilla checkpoint where the family's config can describe it, else the "
+                        "per-layer form (trust_remote_code=True, or pruner.load)")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="storage dtype (default: the recipe's export.dtype; auto = the base checkpoint's own)")
     p.add_argument("--out", help="export folder (default: RUN_DIR/export-FORMAT)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -26,8 +30,14 @@ def add_parser(sub, common) -> None:
 
 
 def print_export(done, url) -> None:
-    print(f"exported a {done.format} checkpoint: {done.params:,} parameters, {done.bytes / 1e6:.1f} MB of weights; "
-          f"reloads with vanilla transformers (max |logit difference| {done.max_diff:.1e})")
+    form = f"{done.layout}, " if done.format == "compact" else ""
+    how = ("reloads with trust_remote_code=True and with pruner.load" if done.layout == "per-layer"
+           else "reloads with plain transformers")
+    print(f"exported a {done.format} checkpoint ({form}{done.dtype}): {done.params:,} parameters, "
+          f"{done.bytes / 1e6:.1f} MB of weights; {how} (max |logit difference| {done.max_diff:.1e}"
+          + (", the same greedy tokens)" if done.generation else ")"))
+    if done.why_per_layer:
+        print(f"per-layer because {done.why_per_layer}")
     print(f"wrote {done.folder}/ (checkpoint, README.md model card, plan.json)")
     if url:
         print(f"pushed to {url}")
@@ -39,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
     if args.private and not args.push_to_hub:
         raise ValueError("--private applies only with --push-to-hub REPO_ID")
     print_export(*api.export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite,
-                                 push_to_hub=args.push_to_hub, private=args.private,
+                                 push_to_hub=args.push_to_hub, private=args.private, dtype=args.dtype,
                                  allow_changed_base=args.allow_changed_base))
     return 0

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
             runs.save_run(result, tmp)
     if not main:
         return 0
-    print_summary(result.metrics, out, bool(result.bias))
+    print_summary(result.metrics, out, bool(result.compensation))
     ex = recipe.export
     if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
         try:
@@ -62,6 +62,12 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"convention sensitivity of a naive cosine-redundancy plan at the same target (not the plan pruned "
               f"here, whose scorer reads {m['convention']}): {sens['changed']} of its {m['pruned_heads']} heads "
               f"change between the {sens['convention']} and {sens['other']} conventions")
+    fit = m.get("refit")
+    if fit:
+        worst = max(fit["layers"].items(), key=lambda kv: kv[1]["unexplained"] / max(kv[1]["pruned"], 1e-300))
+        print(f"refit compensation ({fit['mode']}, ridge {fit['ridge']:g}): the kept heads rebuild "
+              f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
+              f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     elif m["surgery"] == "mask":

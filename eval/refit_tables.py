@@ -1,0 +1,95 @@
+"""Issue 14's target checks from the compare runs of eval/run_refit_evidence.sh.
+
+    python eval/refit_tables.py [--default sink-aware,refit] [--model quickstart]
+
+Reads eval/results/refit_compare-<recipe>.json and prints, at 25 / 40 / 50% of heads:
+1. refit vs mean for the default scorer and for FLAP (`fluctuation`);
+2. the default scorer + compensation pair vs 1/4 of the best baseline's zero-ablation increase;
+3. the default pair vs every baseline given the same compensation;
+and, for every recipe found, each scorer's best compensation per sparsity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OURS = ("sink-aware", "refit-energy")  # not baselines
+TARGETS = (0.25, 0.4, 0.5)
+
+
+def load(recipe: str) -> dict:
+    records = json.loads((RESULTS / f"refit_compare-{recipe}.json").read_text())
+    return {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records if "error" not in r}
+
+
+def fmt(r: dict | None) -> str:
+    return "n/a" if r is None else f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
+
+
+def checks(cell: dict, scorer: str, comp: str) -> None:
+    baselines = sorted({s for s, _, _ in cell} - set(OURS))
+    print(f"\n1. refit vs mean (perplexity change [95% CI]); target: refit <= mean\n")
+    print("| scorer | compensation | " + " | ".join(f"{t:g}" for t in TARGETS) + " |")
+    print("|---|---|" + "---|" * len(TARGETS))
+    for s in dict.fromkeys([scorer, "fluctuation"]):
+        for c in ("mean", "refit"):
+            print(f"| {s} | {c} | " + " | ".join(fmt(cell.get((s, t, c))) for t in TARGETS) + " |")
+        ok = [cell[(s, t, "refit")]["delta"] <= cell[(s, t, "mean")]["delta"] for t in TARGETS
+              if (s, t, "refit") in cell and (s, t, "mean") in cell]
+        print(f"| {s} | refit <= mean? | " + " | ".join("yes" if x else "**no**" for x in ok) + " |")
+    print(f"\n2. default pair `{scorer}` + `{comp}` vs 1/4 of the best baseline's zero-ablation increase\n")
+    print("| sparsity | default pair | best baseline, zero | 1/4 of it | met? |\n|---|---|---|---|---|")
+    for t in TARGETS:
+        mine = cell.get((scorer, t, comp))
+        zeros = [(cell[(b, t, "zero")]["delta"], b) for b in baselines if (b, t, "zero") in cell]
+        if mine is None or not zeros:
+            continue
+        best, name = min(zeros)
+        print(f"| {t:g} | {fmt(mine)} | {best:+.2f} ({name}) | {best / 4:+.2f} | "
+              f"{'yes' if mine['delta'] <= best / 4 else '**no**'} |")
+    print(f"\n3. default pair vs every baseline with `{comp}` compensation (target: no worse than any)\n")
+    print("| sparsity | default pair | best baseline with the same compensation | met? |\n|---|---|---|---|")
+    for t in TARGETS:
+        mine = cell.get((scorer, t, comp))
+        others = [(cell[(b, t, comp)]["delta"], b) for b in baselines if (b, t, comp) in cell]
+        if mine is None or not others:
+            continue
+        best, name = min(others)
+        r = cell[(name, t, comp)]
+        print(f"| {t:g} | {fmt(mine)} | {name}: {fmt(r)} | "
+              f"{'yes' if mine['delta'] <= best else f'**no** (by {mine['delta'] - best:.2f})'} |")
+
+
+def best_compensation(recipe: str, cell: dict) -> None:
+    sparsities = sorted({t for _, t, _ in cell})
+    print(f"\n{recipe}: each scorer's change under zero / mean / refit (the smallest in bold)\n")
+    print("| scorer | " + " | ".join(f"{t:g}" for t in sparsities) + " |")
+    print("|---|" + "---|" * len(sparsities))
+    for s in dict.fromkeys(s for s, _, _ in cell):
+        row = []
+        for t in sparsities:
+            vals = {c: cell[(s, t, c)]["delta"] for c in ("zero", "mean", "refit") if (s, t, c) in cell}
+            lo = min(vals.values()) if vals else None
+            row.append(" / ".join((f"**{v:+.2f}**" if v == lo else f"{v:+.2f}") for v in vals.values()))
+        print(f"| {s} | " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--default", default="sink-aware,refit", help="SCORER,COMPENSATION: the default pair")
+    ap.add_argument("--model", default="quickstart", help="the recipe the targets are set on")
+    args = ap.parse_args()
+    scorer, comp = args.default.split(",")
+    if (RESULTS / f"refit_compare-{args.model}.json").exists():
+        print(f"# targets on {args.model}")
+        checks(load(args.model), scorer, comp)
+    for path in sorted(RESULTS.glob("refit_compare-*.json")):
+        recipe = path.stem.removeprefix("refit_compare-")
+        best_compensation(recipe, load(recipe))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+"""Refit compensation (DESIGN section 8.1): the closed form, the Schur-complement energy, the invariants.
+
+Unit tier: `pruner.refit` against an independent least-squares solve on synthetic
+float64 samples. Integration tier: tiny models of every family -- no head pruned is
+the identity, a pruned head the kept ones can rebuild exactly leaves the model's
+outputs unchanged, mask == remove == vanilla reload with the refitted weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pruner import arch, export, refit, surgery
+from pruner.capture import CaptureConfig, capture_stats
+from pruner.data import pad
+from pruner.models import forward
+from pruner.sinks import SinkSpec
+from tiny import CAUSAL, ragged_batch, tiny_model
+
+D_MODEL, H, HD = 6, 4, 3
+D = H * HD
+
+
+def samples(n: int = 400, seed: int = 0) -> torch.Tensor:
+    """(n, D) correlated, non-centred synthetic head outputs."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(D, D, generator=g, dtype=torch.float64)
+    return torch.randn(n, D, generator=g, dtype=torch.float64) @ mix + torch.randn(D, generator=g, dtype=torch.float64)
+
+
+def sums(x: torch.Tensor):
+    return x.sum(0), x.t() @ x, x.shape[0]
+
+
+def weight(seed: int = 1) -> torch.Tensor:
+    return torch.randn(D_MODEL, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def channels(heads: list[int]) -> torch.Tensor:
+    p = torch.zeros(D, dtype=torch.bool)
+    for h in heads:
+        p[h * HD:(h + 1) * HD] = True
+    return p
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("intercept", [True, False])
+@pytest.mark.parametrize("ridge", [0.0, 1e-3, 0.3])
+def test_fit_equals_the_closed_form_ridge_regression(intercept, ridge):
+    """delta_W, delta_b and E(P) equal an independent augmented least-squares solve (float64, 1e-9)."""
+    x, w = samples(), weight()
+    p = channels([1, 3])
+    mu, s = refit.second_moment(*sums(x), intercept)
+    fit = refit.fit_layer(w, mu if intercept else None, s, p, ridge)
+    xk, xp = x[:, ~p], x[:, p]
+    if intercept:
+        xk, xp = xk - xk.mean(0), xp - xp.mean(0)
+    n, lam = x.shape[0], fit.lam
+    assert lam == pytest.approx(ridge * float(torch.diagonal(s).mean()), rel=1e-12)
+    # ridge regression of x_P on x_K as one least-squares problem: [X_K; sqrt(n lam) I] A = [X_P; 0]
+    aug_x = torch.cat([xk, (n * lam) ** 0.5 * torch.eye(xk.shape[1], dtype=torch.float64)])
+    aug_y = torch.cat([xp, torch.zeros(xk.shape[1], xp.shape[1], dtype=torch.float64)])
+    a = torch.linalg.lstsq(aug_x, aug_y).solution  # (|K|, |P|)
+    w_p = w[:, p]
+    torch.testing.assert_close(fit.delta_w[:, ~p], w_p @ a.t(), rtol=0, atol=1e-9)
+    assert torch.equal(fit.delta_w[:, p], torch.zeros_like(fit.delta_w[:, p]))
+    if intercept:  # the refitted layer keeps the calibration mean: (W + dW) mu_masked + db = W mu
+        w_new = w + fit.delta_w
+        w_new[:, p] = 0
+        torch.testing.assert_close(w_new @ mu + fit.delta_b, w @ mu, rtol=0, atol=1e-9)
+    else:
+        assert fit.delta_b is None
+    # E(P) is the minimum of the ridge objective E||W_P (x_P - A^T x_K)||^2 + lam ||W_P A^T||^2
+    resid = (xp - xk @ a) @ w_p.t()
+    objective = resid.pow(2).sum() / n + lam * (w_p @ a.t()).pow(2).sum()
+    assert fit.unexplained == pytest.approx(float(objective), rel=1e-9, abs=1e-12)
+    assert fit.pruned == pytest.approx(float((xp @ w_p.t()).pow(2).sum() / n), rel=1e-9)
+    assert fit.unexplained < fit.pruned
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("intercept", [True, False])
+def test_system_energy_equals_the_fit_for_every_pruned_set(intercept):
+    """The scorer's one-inverse Schur energy equals fit_layer's for any P."""
+    x, w = samples(seed=2), weight(3)
+    mu, s = refit.second_moment(*sums(x), intercept)
+    sys = refit.system(w.t() @ w, mu if intercept else None, s, 1e-2)
+    for heads in ([0], [2], [0, 3], [1, 2, 3], []):
+        p = channels(heads)
+        fit = refit.fit_layer(w, mu if intercept else None, s, p, 1e-2)
+        assert sys.unexplained(p) == pytest.approx(fit.unexplained, rel=1e-9, abs=1e-12), heads
+
+
+@pytest.mark.unit
+def test_no_pruned_channel_is_the_identity():
+    x, w = samples(), weight()
+    mu, s = refit.second_moment(*sums(x), True)
+    fit = refit.fit_layer(w, mu, s, torch.zeros(D, dtype=torch.bool), 1e-3)
+    assert not fit.delta_w.any() and not fit.delta_b.any() and fit.unexplained == 0
+
+
+@pytest.mark.unit
+def test_a_duplicated_channel_block_is_rebuilt_exactly():
+    """x_P a linear map of x_K: refit (tiny ridge) rebuilds W_P x_P on every sample, and E(P) ~ 0."""
+    x = samples()
+    r = torch.randn(HD, HD, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x[:, 2 * HD:3 * HD] = x[:, 0:HD] @ r.t()  # head 2 = R (head 0)
+    w, p = weight(), channels([2])
+    for intercept in (True, False):
+        mu, s = refit.second_moment(*sums(x), intercept)
+        fit = refit.fit_layer(w, mu if intercept else None, s, p, 1e-12)
+        w_new = w + fit.delta_w
+        w_new[:, p] = 0
+        rebuilt = x @ w_new.t() + (0 if fit.delta_b is None else fit.delta_b)
+        torch.testing.assert_close(rebuilt, x @ w.t(), rtol=0, atol=1e-7)
+        assert fit.unexplained < 1e-9 * fit.pruned
+
+
+@pytest.mark.unit
+def test_singular_and_ill_conditioned_systems_are_errors_not_nan():
+    x = samples(n=5)  # 5 samples of 12 channels: S_KK has rank <= 5
+    mu, s = refit.second_moment(*sums(x), False)
+    with pytest.raises(refit.RefitError, match="singular .*set surgery.ridge > 0"):
+        refit.fit_layer(weight(), None, s, channels([0]), 0.0, layer=3)
+    with pytest.raises(refit.RefitError, match="ill-conditioned .*raise surgery.ridge"):
+        refit.fit_layer(weight(), None, s, channels([0]), 1e-15, layer=3)
+    with pytest.raises(refit.RefitError, match="12 output-projection channels from only 5 calibration tokens"):
+        refit.check_tokens(5, 12, 0)
+    bad = s.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(refit.RefitError, match="NaN/inf"):
+        refit.fit_layer(weight(), None, bad, channels([0]), 1e-3)
+    with pytest.raises(refit.RefitError, match="every head is pruned"):
+        refit.fit_layer(weight(), None, s, torch.ones(D, dtype=torch.bool), 1e-3)
+    with pytest.raises(refit.RefitError, match="singular"):
+        refit.system(weight().t() @ weight(), None, s, 0.0).unexplained(channels([0]))
+
+
+@pytest.mark.unit
+def test_dead_kept_heads_fall_back_to_mean_or_nothing():
+    """Kept heads that write nothing cannot take anything over: A = 0, finite (documented fallback)."""
+    x = samples()
+    x[:, HD:] = 0  # only head 0 writes; it is pruned
+    w, p = weight(), channels([0])
+    for intercept in (True, False):
+        mu, s = refit.second_moment(*sums(x), intercept)
+        fit = refit.fit_layer(w, mu if intercept else None, s, p, 1e-3)
+        assert torch.isfinite(fit.delta_w).all() and not fit.delta_w.any()
+        if intercept:  # mean compensation exactly
+            torch.testing.assert_close(fit.delta_b, w[:, p] @ mu[p], rtol=0, atol=1e-12)
+        assert fit.unexplained == pytest.approx(fit.pruned, rel=1e-9)
+    silent = torch.zeros(50, D, dtype=torch.float64) + 2.0  # a layer writing one constant
+    mu, s = refit.second_moment(*sums(silent), True)
+    fit = refit.fit_layer(w, mu, s, p, 1e-3)
+    assert not fit.delta_w.any() and torch.isfinite(fit.delta_b).all() and fit.unexplained == 0
+    assert refit.system(w.t() @ w, mu, s, 1e-3).unexplained(p) == 0
+
+
+# --------------------------------------------------------------------------- models
+
+
+def logits(model, batch):
+    with torch.no_grad():
+        out = forward(model, batch.input_ids, batch.attention_mask)
+    return (out.logits if hasattr(out, "logits") else out.last_hidden_state).float()
+
+
+def outputs_of(model, batch, family):
+    spec = SinkSpec("first") if family in CAUSAL else SinkSpec("ids", ids=(1,))
+    return capture_stats(model, batch, spec, config=CaptureConfig(metrics=(), outputs=True)).outputs
+
+
+def copy_head(model, family: str, layer: int, src: int, dst: int, value_map: torch.Tensor | None = None) -> None:
+    """Make head `dst` attend like `src` and write value_map @ (src's values): o_dst = value_map o_src."""
+    g = arch.geometry(model)
+    ad = arch.adapter_for(model)
+    block = arch.blocks(model)[layer]
+    hd = g.head_dim
+    rows = lambda h: slice(h * hd, (h + 1) * hd)  # noqa: E731
+    m = torch.eye(hd) if value_map is None else value_map
+    with torch.no_grad():
+        if ad.qkv_layout == "separate":  # (out, in) Linear weights; GQA: only query heads of one group
+            q, k, v = (arch.get(block, p) for p in (ad.q, ad.k, ad.v))
+            q.weight[rows(dst)] = q.weight[rows(src)]
+            if q.bias is not None:
+                q.bias[rows(dst)] = q.bias[rows(src)]
+            if g.group_size == 1:
+                k.weight[rows(dst)] = k.weight[rows(src)]
+                v.weight[rows(dst)] = m @ v.weight[rows(src)]
+                for lin, mm in ((k, torch.eye(hd)), (v, m)):
+                    if lin.bias is not None:
+                        lin.bias[rows(dst)] = mm @ lin.bias[rows(src)]
+            else:
+                assert value_map is None and src // g.group_size == dst // g.group_size
+        else:  # GPT-2 Conv1D c_attn: weight (in, 3 * D) laid out [q | k | v]
+            w, b = arch.get(block, ad.qkv).weight, arch.get(block, ad.qkv).bias
+            width = g.n_heads * hd
+            for part, mm in ((0, torch.eye(hd)), (1, torch.eye(hd)), (2, m)):
+                cs = lambda h: slice(part * width + h * hd, part * width + (h + 1) * hd)  # noqa: E731
+                w[:, cs(dst)] = w[:, cs(src)] @ mm.t()
+                b[cs(dst)] = mm @ b[cs(src)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_no_head_pruned_is_the_identity(family):
+    model, batch = tiny_model(family), pad(ragged_batch(seed=1), 0)
+    before = logits(model, batch)
+    comp = surgery.compensate(model, {0: [], 1: []}, outputs_of(model, batch, family), "refit")
+    assert not comp
+    with surgery.masked(model, {0: [], 1: []}, comp):
+        assert torch.equal(logits(model, batch), before)
+    w = surgery.refit_layer(model, 0, [], outputs_of(model, batch, family)[0], 1e-3)
+    assert not w.delta_w.any()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family,heads,value_map", [
+    ("gpt2", {0: [2], 1: [3]}, False), ("gpt2", {0: [2]}, True), ("bert", {0: [2], 1: [3]}, True),
+    ("llama", {0: [1, 3], 1: [1, 3]}, False), ("mistral", {0: [1], 1: [3]}, False)])
+def test_heads_the_kept_ones_rebuild_exactly_leave_the_outputs_unchanged(family, heads, value_map):
+    """A duplicated head, or one writing a linear map of a kept head's output: refit recovers it (1e-5)."""
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(7)
+    for layer, hs in heads.items():
+        for h in hs:
+            src = h - 1  # in the same GQA group for the Llama-style families
+            r = torch.randn(arch.geometry(model).head_dim, arch.geometry(model).head_dim, generator=g) \
+                if value_map else None
+            copy_head(model, family, layer, src, h, r)
+    batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
+    full = logits(model, batch)
+    comp = surgery.compensate(model, heads, outputs_of(model, batch, family), "refit", ridge=1e-10)
+    assert set(comp.weight) == set(heads) and (bool(comp.bias) == (family in ("gpt2", "bert")))
+    with surgery.masked(model, heads, comp):
+        torch.testing.assert_close(logits(model, batch), full, rtol=0, atol=1e-5)
+    with surgery.masked(model, heads, surgery.compensate(model, heads, outputs_of(model, batch, family), "mean")):
+        assert not torch.allclose(logits(model, batch), full, atol=1e-3)  # what refit recovered mattered
+    fresh = tiny_model(family)
+    fresh.load_state_dict(model.state_dict())
+    surgery.mask_heads(fresh, heads, comp)
+    torch.testing.assert_close(logits(fresh, batch), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "qwen2"])
+def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
+    """Scoped mask == permanent mask == removal == the saved checkpoint reloaded (1e-5); no config change
+    without an output-projection bias (Llama: no attention_bias)."""
+    from test_surgery import heads_for
+
+    batch = pad(ragged_batch(seed=5), 0)
+    heads = heads_for(family)
+    ref = tiny_model(family)
+    comp = surgery.compensate(ref, heads, outputs_of(ref, batch, family), "refit")
+    assert comp.kind == "refit" and set(comp.fits) == set(heads)
+    with surgery.masked(ref, heads, comp):
+        scoped = logits(ref, batch)
+    with surgery.masked(ref, heads):
+        assert not torch.allclose(logits(ref, batch), scoped, atol=1e-4)  # the refit changed something
+    dense, removed = tiny_model(family), tiny_model(family)
+    surgery.mask_heads(dense, heads, comp)
+    surgery.remove_heads(removed, heads, comp)
+    torch.testing.assert_close(logits(dense, batch), scoped, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits(removed, batch), scoped, rtol=0, atol=1e-5)
+    assert not getattr(dense.config, "attention_bias", False)
+    assert not getattr(dense, "_pruner_bias_not_in_config", False)
+    assert all((arch.o_bias(dense, i) is None) == (family in ("llama", "qwen2")) for i in range(2))
+    tok = word_tokenizer()
+    assert export.save_checkpoint(dense, tok, tmp_path / "dense", removed=False) <= export.ATOL
+    if family == "llama":  # uniform: 2 of 4 heads over 2 KV heads in each layer, explicit head_dim: compact saves
+        uniform = {0: [1, 3], 1: [1, 3]}
+        removed = tiny_model(family)
+        surgery.remove_heads(removed, uniform, surgery.compensate(ref, uniform, outputs_of(ref, batch, family), "refit"))
+        assert export.save_checkpoint(removed, tok, tmp_path / "compact", removed=True) <= export.ATOL
+        import json
+        cfg = json.loads((tmp_path / "compact" / "config.json").read_text())
+        assert cfg["num_attention_heads"] == 2 and cfg["attention_bias"] is False
+
+
+def word_tokenizer():
+    """A small tokenizer the checkpoints can be saved with (the tiny models need none to run)."""
+    from transformers import AutoTokenizer
+
+    from pruner import assets
+
+    return AutoTokenizer.from_pretrained(assets.checkpoint("gpt2-shakespeare"))
+
+
+@pytest.mark.integration
+def test_compensation_file_round_trips_and_reads_old_bias_only_files(tmp_path):
+    model, batch = tiny_model("gpt2"), pad(ragged_batch(), 0)
+    heads = {0: [1], 1: [0, 2]}
+    comp = surgery.compensate(model, heads, outputs_of(model, batch, "gpt2"), "refit")
+    export.save_compensation(comp, tmp_path / "c.safetensors")
+    back = export.load_compensation(tmp_path / "c.safetensors")
+    assert back.kind == "refit" and back.bias.keys() == comp.bias.keys() == back.weight.keys() == {0, 1}
+    for k in comp.weight:
+        assert torch.equal(back.weight[k], comp.weight[k]) and torch.equal(back.bias[k], comp.bias[k])
+    from safetensors.torch import save_file
+
+    save_file({"layer.0": comp.bias[0]}, str(tmp_path / "old.safetensors"))  # a file from before refit
+    old = export.load_compensation(tmp_path / "old.safetensors")
+    assert old.kind == "mean" and list(old.bias) == [0] and not old.weight
+    export.save_compensation(surgery.Compensation(), tmp_path / "zero.safetensors")
+    assert not (tmp_path / "zero.safetensors").exists()
+
+
+@pytest.mark.integration
+def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_pruned_model():
+    model, batch = tiny_model("gpt2"), pad(ragged_batch(seed=2, n=10), 0)
+    heads = {0: [1, 2], 1: [0]}
+    collect = lambda: outputs_of(model, batch, "gpt2")  # noqa: E731
+    calls = []
+    seq = surgery.refit_sequential(model, heads, lambda: calls.append(1) or collect())
+    one = surgery.compensate(model, heads, collect(), "refit")
+    assert len(calls) == 2
+    torch.testing.assert_close(seq.weight[0], one.weight[0], rtol=0, atol=1e-6)  # nothing pruned below layer 0
+    assert not torch.allclose(seq.weight[1], one.weight[1], atol=1e-4)
+    # on the calibration data the sequential fit of the last layer leaves no more than the one-shot one
+    with surgery.masked(model, heads, seq):
+        nll_seq = logits(model, batch)
+    assert torch.isfinite(nll_seq).all()
+
+
+@pytest.mark.integration
+def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
+    from pruner.calibrate import calibrate
+    from pruner.scoring import get_scorer
+    from pruner.selection import SelectionConfig, select
+
+    model = tiny_model("gpt2")
+    copy_head(model, "gpt2", 1, 0, 3)
+    batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
+    inputs = calibrate(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=("cosine",), outputs=True),
+                       ridge=1e-8)
+    scores = get_scorer("refit-energy")(inputs, torch.ones(2, 4, dtype=torch.bool))
+    assert scores[1, 3] < 1e-6 * scores.max() and scores[1, 0] < 1e-6 * scores.max()  # either twin is free
+    plan = select(get_scorer("refit-energy"), inputs, arch.geometry(model), SelectionConfig(target=2))
+    first = plan.entries[0]
+    assert (first.layer, first.head) in ((1, 0), (1, 3))
+    assert (plan.entries[1].layer, plan.entries[1].head) not in ((1, 0), (1, 3))  # never both twins
+    assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-8
