@@ -268,12 +268,13 @@ def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     assert not getattr(dense, "_pruner_bias_not_in_config", False)
     assert all((arch.o_bias(dense, i) is None) == (family in ("llama", "qwen2")) for i in range(2))
     tok = word_tokenizer()
-    assert export.save_checkpoint(dense, tok, tmp_path / "dense", removed=False) <= export.ATOL
+    assert export.save_checkpoint(dense, tok, tmp_path / "dense", removed=False).max_diff <= export.ATOL
     if family == "llama":  # uniform: 2 of 4 heads over 2 KV heads in each layer, explicit head_dim: compact saves
         uniform = {0: [1, 3], 1: [1, 3]}
         removed = tiny_model(family)
         surgery.remove_heads(removed, uniform, surgery.compensate(ref, uniform, outputs_of(ref, batch, family), "refit"))
-        assert export.save_checkpoint(removed, tok, tmp_path / "compact", removed=True) <= export.ATOL
+        saved = export.save_checkpoint(removed, tok, tmp_path / "compact", removed=True)
+        assert saved.max_diff <= export.ATOL and saved.layout == "vanilla"
         import json
         cfg = json.loads((tmp_path / "compact" / "config.json").read_text())
         assert cfg["num_attention_heads"] == 2 and cfg["attention_bias"] is False
