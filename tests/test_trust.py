@@ -69,7 +69,7 @@ def test_pruner_format_goes_to_pruners_own_loader(tmp_path, monkeypatch):
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "pruner_format": "per-layer-heads/1"}))
     seen = {}
-    monkeypatch.setattr(models, "load_pruner_format", lambda path, config, **kw: seen.setdefault("path", path))
+    monkeypatch.setattr(models, "load_pruner_format", lambda path, **kw: seen.setdefault("path", path))
     assert models.load_model(str(folder)) == str(folder)
     assert not marker.exists()
 
