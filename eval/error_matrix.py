@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from pruner.cli import main  # noqa: E402
-from test_reliability import CASES, SETUP, build_env, case_args  # noqa: E402
+from test_reliability import CASES, build_env, case_args, patched  # noqa: E402
 
 
 def run() -> None:
@@ -26,8 +26,7 @@ def run() -> None:
         print("| bad input | exit | what pruner prints |\n|---|---|---|")
         for name, argv, _, _ in CASES:
             err = io.StringIO()
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-                    SETUP.get(name, contextlib.nullcontext)():
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), patched(name, env):
                 rc = main(case_args(argv, env, Path(d) / "out"))
             line = next(x for x in err.getvalue().splitlines() if x.startswith("pruner: "))
             print(f"| {name} | {rc} | `{line.replace(d, '<tmp>').replace('|', '/')}` |", flush=True)

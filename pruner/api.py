@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner import arch, export, models, pipeline, report, runs, surgery
+from pruner import arch, distributed, export, models, pipeline, provenance, report, resources, resume, runs, surgery
 from pruner.recipe import AnalyzeSpec, Recipe, RecipeError, build_recipe, validate_section
 from pruner.selection import Plan
 
@@ -60,10 +60,29 @@ class _Call:
     calibration_texts: list[str] | None = None
     evaluation_texts: list[str] | None = None
 
-    def session(self, progress: bool, evaluation: bool = True) -> pipeline.Session:
+    def session(self, progress: bool, evaluation: bool = True,
+                checkpoints: resume.Checkpoints = resume.NONE) -> pipeline.Session:
         return pipeline.prepare(self.recipe, progress, model=self.model, tokenizer=self.tokenizer,
                                 calibration_texts=self.calibration_texts,
-                                evaluation_texts=self.evaluation_texts, evaluation=evaluation)
+                                evaluation_texts=self.evaluation_texts, evaluation=evaluation,
+                                checkpoints=checkpoints)
+
+    def provenance(self, evaluation: bool = True) -> dict:
+        """provenance.json of a run made by this call; the hashing is done once, by the first process."""
+        ident = provenance.identity(self.recipe, model=self.model, tokenizer_given=self.tokenizer is not None,
+                                    calibration_texts=self.calibration_texts,
+                                    evaluation_texts=self.evaluation_texts, evaluation=evaluation) \
+            if distributed.is_main() else None
+        return provenance.record(self.recipe, distributed.all_objects(ident)[0])
+
+    def checkpoints(self, folder, command: str, options: dict, prov: dict) -> resume.Checkpoints:
+        """The resumable checkpoints in `folder` (None: none), refused if made by another setup."""
+        if folder is None:
+            return resume.NONE
+        fp = resume.fingerprint(command, self.recipe.model_dump(mode="json"), options,
+                                {k: prov[k] for k in ("model", "tokenizer", "data")})
+        spec = self.recipe.checkpoint
+        return resume.open_checkpoints(folder, fp, spec.every_batches, spec.every_seconds)
 
 
 def _resolve(model, tokenizer, data, recipe, overrides: dict, eval_data=None,
@@ -87,7 +106,7 @@ def _resolve(model, tokenizer, data, recipe, overrides: dict, eval_data=None,
     if held is not None and tok is None:
         if r.model.path == IN_MEMORY:
             raise ValueError("pass the tokenizer: a model built in memory names no folder to load one from")
-        tok = models.load_tokenizer(r.model.path)
+        tok = models.load_tokenizer(r.model.path, r.model.trust_remote_code)
     cal = _texts(data, r.calibration.text_column) if _is_texts(data) else None
     ev = _texts(eval_data, r.evaluation.text_column) if _is_texts(eval_data) else None
     return _Call(r, held, tok, cal, ev)
@@ -152,6 +171,7 @@ class Result:
     metrics: dict = field(repr=False)
     recipe: Recipe = field(repr=False)
     compensation: Any = field(default=None, repr=False)  # surgery.Compensation: what the pruned heads left behind
+    provenance: dict | None = field(default=None, repr=False)  # provenance.json: what the run was made from
 
     @property
     def bias(self):
@@ -159,7 +179,8 @@ class Result:
         return None if self.compensation is None else (self.compensation.bias or None)
 
     def save(self, folder, overwrite: bool = False) -> Path:
-        """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md)."""
+        """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md,
+        provenance.json)."""
         with report.atomic_dir(Path(folder), overwrite) as tmp:
             runs.save_run(self, tmp)
         return Path(folder)
@@ -172,19 +193,25 @@ class Result:
 
 
 def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None, progress: bool = True,
-          **overrides) -> Result:
+          checkpoint_dir=None, **overrides) -> Result:
     """`pruner prune` for a model object: plan, evaluate (paired with the unpruned model), apply in place.
 
     `eval_data`: evaluation texts or source (default: the recipe's, the shipped
-    evaluation plays). Returns a `Result`; `result.save(folder)` writes the run folder.
+    evaluation plays). `checkpoint_dir`: a folder where the calibration sums and
+    finished evaluations are saved now and then (the recipe's `checkpoint` section);
+    if it already holds those of an interrupted call with the same setup, this call
+    continues from them and ends with the same result. Returns a `Result`;
+    `result.save(folder)` writes the run folder.
     """
     call = _resolve(model, tokenizer, data, recipe, overrides, eval_data)
-    return _prune(call, progress)
+    return _prune(call, progress, checkpoint_dir)
 
 
-def _prune(call: _Call, progress: bool) -> Result:
-    done = pipeline.run(call.session(progress), progress)
-    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation)
+def _prune(call: _Call, progress: bool, checkpoint_dir=None) -> Result:
+    prov = call.provenance()
+    checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
+    done = pipeline.run(call.session(progress, checkpoints=checkpoints), progress)
+    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov)
 
 
 # --------------------------------------------------------------------------- compare
@@ -195,6 +222,7 @@ class Comparison:
 
     records: list[dict] = field(repr=False)
     recipe: Recipe = field(repr=False)
+    provenance: dict | None = field(default=None, repr=False)
 
     def table(self) -> str:
         """Markdown: perplexity change [95% CI] per scorer (rows) and sparsity x compensation (columns)."""
@@ -203,8 +231,14 @@ class Comparison:
     def save(self, folder, overwrite: bool = False) -> Path:
         """compare.json, .csv, .md, .png and the resolved recipe."""
         with report.atomic_dir(Path(folder), overwrite) as tmp:
-            report.write_compare(self.records, self.recipe, tmp)
+            self.write(tmp)
         return Path(folder)
+
+    def write(self, folder: Path) -> str:
+        """The files of `save` into an existing folder; returns the table."""
+        if self.provenance:
+            provenance.write(folder, self.provenance)
+        return report.write_compare(self.records, self.recipe, folder)
 
     def __repr__(self) -> str:
         ok = [r for r in self.records if "error" not in r]
@@ -221,17 +255,20 @@ COMPENSATIONS = surgery.COMPENSATIONS
 
 def compare(model=None, tokenizer=None, data=None, *, recipe=None, scorers=None, sparsities=(0.1, 0.25, 0.4, 0.5),
             compensations=("zero", "mean", "refit"), budgets=None, gqa=None, eval_data=None, progress: bool = True,
-            **overrides) -> Comparison:
+            checkpoint_dir=None, **overrides) -> Comparison:
     """`pruner compare` for a model object: one calibration pass, every combination evaluated with a scoped mask.
 
     `scorers` default to all registered; `budgets` (`layer`, `global`) and `gqa`
-    (`equal`, `group`) default to the recipe's single choice.
+    (`equal`, `group`) default to the recipe's single choice. `checkpoint_dir`: as
+    for `prune`; each finished plan's evaluation is kept too, so a resumed compare
+    evaluates only what is left.
     """
     call = _resolve(model, tokenizer, data, recipe, overrides, eval_data)
-    return _compare(call, scorers, sparsities, compensations, budgets, gqa, progress)
+    return _compare(call, scorers, sparsities, compensations, budgets, gqa, progress, checkpoint_dir)
 
 
-def _compare(call: _Call, scorers, sparsities, compensations, budgets, gqa, progress: bool) -> Comparison:
+def _compare(call: _Call, scorers, sparsities, compensations, budgets, gqa, progress: bool,
+             checkpoint_dir=None) -> Comparison:
     from pruner.scoring import SCORERS, get_scorer
 
     scorers = list(scorers or SCORERS)
@@ -241,9 +278,13 @@ def _compare(call: _Call, scorers, sparsities, compensations, budgets, gqa, prog
     _check_choices("budget", budgets or (), ("global", "layer"))
     _check_choices("gqa", gqa or (), ("equal", "group"))
     targets = [_target(t) for t in sparsities]
-    records = pipeline.compare(call.session(progress), scorers, targets, list(compensations),
+    prov = call.provenance()
+    options = {"scorers": scorers, "sparsities": targets, "compensations": list(compensations),
+               "budgets": list(budgets or []), "gqa": list(gqa or [])}
+    checkpoints = call.checkpoints(checkpoint_dir, "compare", options, prov)
+    records = pipeline.compare(call.session(progress, checkpoints=checkpoints), scorers, targets, list(compensations),
                                list(budgets) if budgets else None, list(gqa) if gqa else None, progress)
-    return Comparison(records, call.recipe)
+    return Comparison(records, call.recipe, prov)
 
 
 def _check_choices(what: str, given, valid: tuple[str, ...]) -> None:
@@ -275,6 +316,7 @@ class Analysis:
     data: dict = field(repr=False)
     stats: Any = field(default=None, repr=False)      # pruner.stats.HeadStats of the model
     reference: Any = field(default=None, repr=False)  # of `compare_to`, when given
+    provenance: dict | None = field(default=None, repr=False)  # what the analysis was made from
 
     heads = property(lambda self: self.data["heads"])
     entropy = property(lambda self: self.data["entropy"])
@@ -300,6 +342,8 @@ class Analysis:
         from pruner import analysis_report as ar
 
         (folder / "analysis.json").write_text(self.to_json())
+        if self.provenance:
+            provenance.write(folder, self.provenance)
         figures = self.figures(folder)
         (folder / "report.md").write_text(ar.report_markdown(self.data, figures))
         return figures
@@ -319,12 +363,12 @@ class Analysis:
         return f"Analysis({d['model']}: {d['n_layers']}x{d['n_heads']} heads; " + "; ".join(parts) + ")"
 
 
-def _model_and_tokenizer(model, tokenizer):
+def _model_and_tokenizer(model, tokenizer, trust_remote_code: bool = False):
     """(model object, tokenizer, name) from an object or a name/path."""
     if isinstance(model, (str, Path)):
-        loaded = models.load_model(str(model))
+        loaded = models.load_model(str(model), trust_remote_code=trust_remote_code)
         arch.adapter_for(loaded)  # e.g. a per-layer checkpoint: no single head count to measure
-        return loaded, tokenizer or models.load_tokenizer(str(model)), str(model)
+        return loaded, tokenizer or models.load_tokenizer(str(model), trust_remote_code), str(model)
     arch.adapter_for(model)
     if tokenizer is None:
         raise ValueError("pass the tokenizer with a model object")
@@ -332,7 +376,7 @@ def _model_and_tokenizer(model, tokenizer):
 
 
 def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), across_layers: bool = False,
-                  progress: bool = True, **options):
+                  progress: bool = True, checkpoints: resume.Checkpoints = resume.NONE, **options):
     """Capture per-head statistics of `model` on `data` (what `pruner sinks` prints and `analyze` audits).
 
     Returns (model, tokenizer, name, HeadStats, samples, unit, sink spec, options).
@@ -346,7 +390,7 @@ def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), acro
     opts = AnalyzeSpec.validated({**options, "metrics": list(metrics)})
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    model, tokenizer, name = _model_and_tokenizer(model, tokenizer)
+    model, tokenizer, name = _model_and_tokenizer(model, tokenizer, opts.trust_remote_code)
     causal = models.attends_causally(model)
     unit = opts.unit or ("windows" if causal else "lines")
     texts = _texts(data, "text") if _is_texts(data) else \
@@ -355,22 +399,30 @@ def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), acro
                              seed=opts.seed)
     spec = parse_spec(opts.sinks, causal)
     if spec.mode == "auto":
-        spec = resolve_auto_sinks(model, batch, tokenizer, eps=spec.eps, batch_size=opts.batch_size)
+        spec = resolve_auto_sinks(model, batch, tokenizer, eps=spec.eps, batch_size=opts.batch_size,
+                                  checkpoints=checkpoints)
         print(f"auto sinks (eps {spec.eps}): positions {list(spec.positions)}, token ids {list(spec.ids)}")
     check_content(batch.input_ids, batch.attention_mask, spec, tokenizer)
     config = CaptureConfig(chunk_size=opts.chunk_size, metrics=tuple(opts.metrics), across_layers=across_layers)
-    stats = capture_stats(model, batch, spec, tokenizer, config, batch_size=opts.batch_size, progress=progress)
+    if opts.memory_check:
+        resources.check_memory(model, resources.Sizes(
+            batch_size=min(opts.batch_size, len(batch)), length=batch.input_ids.shape[1], chunk_size=opts.chunk_size,
+            pair_metrics=len(opts.metrics), outputs=False, across_layers=across_layers), what="the capture")
+    stats = capture_stats(model, batch, spec, tokenizer, config, batch_size=opts.batch_size, progress=progress,
+                          checkpoints=checkpoints)
     return model, tokenizer, name, stats, batch, unit, spec, opts
 
 
-def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool = True, **options) -> Analysis:
+def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool = True, checkpoint_dir=None,
+            **options) -> Analysis:
     """`pruner analyze` for a model object: every head against every head, sink included vs removed.
 
     Options as the command's flags: `metrics` (default cosine, js), `sinks`, `unit`,
     `max_length`, `num_samples`, `thresholds` ({metric: t}), `clusters`, `seed`,
-    `batch_size`, `chunk_size`, `bos`, `threads`. `compare_to` (a paired state with
-    the same tokenizer) adds the entropy attribution. `data` defaults to the
-    shipped evaluation plays.
+    `batch_size`, `chunk_size`, `bos`, `threads`, `trust_remote_code`. `compare_to`
+    (a paired state with the same tokenizer) adds the entropy attribution. `data`
+    defaults to the shipped evaluation plays. `checkpoint_dir`: as for `prune`
+    (cadence: `checkpoint_every_seconds` / `checkpoint_every_batches`).
     """
     import dataclasses
 
@@ -379,19 +431,24 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     from pruner.capture import CaptureConfig, capture_stats
 
     options.setdefault("metrics", ["cosine", "js"])
-    AnalyzeSpec.validated(options)  # bad options fail before any model is loaded
-    model, tokenizer, name = _model_and_tokenizer(model, tokenizer)
+    given = AnalyzeSpec.validated(options)  # bad options fail before any model is loaded
+    prov = _analysis_provenance(model, compare_to, data, given)
+    checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
+        checkpoint_dir, resume.fingerprint("analyze", None, {**given.model_dump(mode="json"), **dict.fromkeys(
+            ("threads", "memory_check", "checkpoint_every_seconds", "checkpoint_every_batches"))}, prov["identity"]),
+        given.checkpoint_every_batches, given.checkpoint_every_seconds)
+    model, tokenizer, name = _model_and_tokenizer(model, tokenizer, given.trust_remote_code)
     reference = ref_name = None
     if compare_to is not None:  # checked before any compute
         reference, ref_tok, ref_name = _model_and_tokenizer(compare_to, tokenizer if not isinstance(
-            compare_to, (str, Path)) else None)
+            compare_to, (str, Path)) else None, given.trust_remote_code)
         _same_tokenizer(tokenizer, ref_tok, (name, ref_name))
         shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
         if shape(model) != shape(reference):
             raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
                              f"{ref_name} {shape(reference)}")
     model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
-        model, tokenizer, data, across_layers=True, progress=progress, **options)
+        model, tokenizer, data, across_layers=True, progress=progress, checkpoints=checkpoints, **options)
     config = analysis.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
                                      clusters=opts.clusters, seed=opts.seed)
     res = {"pruner_version": __version__, "model": name, "compare_to": ref_name,
@@ -407,10 +464,32 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     if reference is not None:
         ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
                                                                                   metrics=()),
-                                  batch_size=opts.batch_size, progress=progress)
+                                  batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints,
+                                  name="reference")
         res["entropy_attribution"] = {"reference": ref_name, **analysis.entropy_attribution(ref_stats, stats),
                                       "reference_heads": analysis.head_tables(ref_stats)}
-    return Analysis(res, stats, ref_stats)
+    return Analysis(res, stats, ref_stats, prov)
+
+
+def _analysis_provenance(model, compare_to, data, opts: AnalyzeSpec) -> dict:
+    """What an analysis is made from: the model(s) (files or object hash) and the data; by the first process."""
+    import torch
+    import transformers
+
+    from pruner import __version__
+
+    def ident(m):
+        return provenance.model_identity(str(m)) if isinstance(m, (str, Path)) else \
+            provenance.object_identity(m, _name(m))
+    out = None
+    if distributed.is_main():
+        out = {"model": ident(model), "compare_to": None if compare_to is None else ident(compare_to),
+               "data": provenance.texts_identity(_texts(data, "text")) if _is_texts(data)
+               else provenance.data_identity(str(data or "shakespeare:evaluation"))}
+    out = distributed.all_objects(out)[0]
+    return {"pruner_version": __version__, "pruner_source_sha256": provenance.source_hash(),
+            "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "identity": out, "options": opts.model_dump(mode="json")}
 
 
 def _same_tokenizer(a, b, names: tuple[str, str]) -> None:
@@ -447,7 +526,7 @@ class Evaluation:
 
 
 def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progress: bool = True,
-             **overrides) -> Evaluation:
+             allow_changed_base: bool = False, **overrides) -> Evaluation:
     """Perplexity (and downstream accuracy) of a model object, a shipped name / folder / Hub id, an export,
     or a run folder.
 
@@ -457,13 +536,16 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     and documents. `data`: evaluation texts or source (default: the recipe's, the
     shipped evaluation plays). `tasks=[...]` (and `task_paths`, `task_limit`,
     `num_fewshot`) adds lm-evaluation-harness / embedding tasks: accuracy with a
-    bootstrap CI, or with a base the paired change.
+    bootstrap CI, or with a base the paired change. A run folder whose base model
+    is no longer the one it was made from (provenance.json) is refused unless
+    `allow_changed_base`.
     """
     from pruner import tasks
     from pruner.perplexity import paired_delta, perplexity, window_scores
 
     if isinstance(model, (str, Path)) and (Path(model) / "plan.json").exists():
         run = export.load_run(Path(model))
+        provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
         recipe = recipe if recipe is not None else run.recipe
         pruned, tokenizer = export.rebuild(run, "dense")
         name, base = str(model), base if base is not None else run.recipe.model.path
@@ -496,22 +578,24 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     return Evaluation(out)
 
 
-def load(path):
+def load(path, trust_remote_code: bool = False):
     """A model pruner wrote (a run's model/, an export) or any supported checkpoint, in eval mode.
 
     Per-layer compact checkpoints are built with pruner's own packaged modeling classes (pruner/modeling),
     never by running the modeling file in the folder; a config.json whose head counts do not fit the
-    weights is refused in one line."""
-    return models.load_model(str(path))
+    weights is refused in one line. Code shipped with any other checkpoint (`auto_map`) runs only with
+    `trust_remote_code`."""
+    return models.load_model(str(path), trust_remote_code=trust_remote_code)
 
 
 def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
-               private: bool = False, dtype: str | None = None):
+               private: bool = False, dtype: str | None = None, allow_changed_base: bool = False):
     """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub.
 
     `compact` is the vanilla form where the family's config can describe the pruned model, else the per-layer
     form (`trust_remote_code=True`, or `pruner.load`). `dtype` (auto|float32|float16|bfloat16) overrides the
-    recipe's `export.dtype`; auto stores the base checkpoint's own dtype."""
+    recipe's `export.dtype`; auto stores the base checkpoint's own dtype. `allow_changed_base`: export even
+    when the base model is not the one the run was made from (the model card says so)."""
     if private and not push_to_hub:
         raise ValueError("private applies only with push_to_hub")
     run_dir = Path(run_dir)
@@ -521,7 +605,8 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
     if export.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
-    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private, dtype=dtype)
+    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,
+                             allow_changed_base=allow_changed_base, dtype=dtype)
 
 
 __all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, distributed
+from pruner import arch, distributed, resume
 from pruner import stats as st
 from pruner.capture import CaptureConfig, capture_stats
 from pruner.data import TokenBatch
@@ -81,7 +81,8 @@ def _lm_example_loss(model, batch: TokenBatch, i: int) -> torch.Tensor:
     return lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
 
 
-def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=_lm_example_loss) -> torch.Tensor:
+def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=_lm_example_loss,
+                        checkpoints: resume.Checkpoints = resume.NONE) -> torch.Tensor:
     """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
 
     One example (window) per backward pass, so the absolute value is taken per
@@ -90,7 +91,8 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     head's slice at the output projection's input; its gradient at xi = 1 is the
     importance. Michel et al. normalise each layer's scores by their l2 norm.
     `loss_fn(model, batch, i)` is example i's loss. With several processes each
-    takes every world-th example and the sums are added in rank order.
+    takes every world-th example and the sums are added in rank order. With
+    `checkpoints`, the sum and the example cursor are saved as stage `gradient`.
     """
     ad, g = arch.adapter_for(model), arch.geometry(model)
     xi = torch.ones(g.n_layers, g.n_heads, requires_grad=True)
@@ -98,19 +100,27 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
         lambda m, args, layer=layer: (args[0] * xi[layer].repeat_interleave(g.head_dim).to(args[0])[None, None],)
         + tuple(args[1:])) for layer, block in enumerate(arch.blocks(model))]
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    mine = distributed.shard_indices(len(batch))
+    saved = checkpoints.load("gradient")
+    done = 0 if saved is None else saved["cursor"]
+    if saved is not None:
+        total = saved["total"]
     was_training = model.training
     model.eval()
     frozen = [w for w in model.parameters() if w.requires_grad]  # only xi's gradient is needed: weight
     for w in frozen:  # gradients would cost a model-sized .grad and a third of each backward
         w.requires_grad_(False)
     try:
-        it = distributed.shard_indices(len(batch))
-        for i in (tqdm(it, desc="gradient", unit="window") if progress else it):
+        it = mine[done:]
+        it = tqdm(it, total=len(mine), initial=done, desc="gradient", unit="window") if progress else it
+        for k, i in enumerate(it, start=done + 1):
             xi.grad = None
             loss = loss_fn(model, batch, i)
             loss.backward()
             total += xi.grad.detach().abs().double()
+            checkpoints.step("gradient", k, lambda: {"cursor": k, "total": total.clone()})
         model.zero_grad(set_to_none=True)
+        checkpoints.finish("gradient", lambda: {"cursor": len(mine), "total": total.clone()})
     finally:
         for h in hooks:
             h.remove()
@@ -123,14 +133,17 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
 
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
-              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3) -> ScoringInputs:
+              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3,
+              checkpoints: resume.Checkpoints = resume.NONE) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
     `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
+    With `checkpoints` both passes save their sums now and then and resume from them.
     """
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress)
+    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress,
+                          checkpoints=checkpoints)
     grad = None
     if gradient:
         if attends_causally(model):
@@ -142,7 +155,7 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
             loss_fn = lambda m, b, i: mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])  # noqa: E731
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
-        grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn)
+        grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
     grams = layer_grams(model)
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),

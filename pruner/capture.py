@@ -30,12 +30,13 @@ fine at analysis sizes, not meant for long contexts of large models.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, distributed
+from pruner import arch, distributed, resume
 from pruner import stats as st
 from pruner.data import TokenBatch
 from pruner.models import forward, input_device
@@ -174,16 +175,24 @@ class Capture:
         self.model.set_attn_implementation(self._saved_impl)
 
     @torch.no_grad()
-    def run(self, batch: TokenBatch, batch_size: int = 8, progress: bool = False) -> None:
-        """Forward every sample once through the model's body (no logits), accumulating statistics."""
+    def run(self, batch: TokenBatch, batch_size: int = 8, progress: bool = False,
+            checkpoints: resume.Checkpoints = resume.NONE, name: str = "capture") -> None:
+        """Forward every sample once through the model's body (no logits), accumulating statistics.
+
+        With `checkpoints`, the sums so far and the batch cursor are saved as stage `name`
+        when due, and a resumed run starts after the last saved batch (one `run` per
+        stage: the restored sums replace this Capture's).
+        """
         if _ACTIVE is not self:
             raise RuntimeError("Capture.run must be called inside `with Capture(...)`")
         device = input_device(self.model)  # the first device under a device_map
         batch = distributed.shard(batch)  # several processes: every world-th sample; result() reduces
-        it = batch.batches(batch_size)
+        n_batches = -(-len(batch) // batch_size)
+        done = self._restore(checkpoints.load(name))
+        it = itertools.islice(batch.batches(batch_size), done, None)
         if progress:
-            it = tqdm(it, total=-(-len(batch) // batch_size), desc="capture", unit="batch")
-        for b in it:
+            it = tqdm(it, total=n_batches, initial=done, desc="capture", unit="batch")
+        for k, b in enumerate(it, start=done + 1):
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
             if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
                 sink = torch.zeros_like(mask2d, dtype=torch.bool)
@@ -203,6 +212,27 @@ class Capture:
                 sq = torch.stack(residual)
                 self._residual = sq if self._residual is None else self._residual + sq
                 self._tokens += int(mask2d.bool().sum())
+            checkpoints.step(name, k, lambda: self.state(k))
+        checkpoints.finish(name, lambda: self.state(n_batches))
+
+    def state(self, cursor: int) -> dict:
+        """The sums so far and how many of this process's batches they hold (`pruner.resume`)."""
+        return {"cursor": cursor, "layers": resume.plain(self.layers), "residual": self._residual,
+                "tokens": self._tokens, "received": resume.plain(self._received), "n_layers": self._n_layers}
+
+    def _restore(self, state: dict | None) -> int:
+        """Put saved sums back (each layer's on the device its attention runs on); returns the cursor."""
+        if state is None:
+            return 0
+        if self.layers or self._received or self._tokens:
+            raise RuntimeError("a resumed capture must start empty (one Capture.run per checkpointed stage)")
+        blocks = arch.blocks(self.model)
+        device = lambda i: next(blocks[i].parameters()).device  # noqa: E731
+        layers = resume.unplain(state["layers"], {"LayerStats": st.LayerStats, "OutputMoments": st.OutputMoments})
+        self.layers = {i: s.to(device(i)) for i, s in layers.items()}
+        self._residual, self._tokens = state["residual"], state["tokens"]
+        self._received, self._n_layers = state["received"], state["n_layers"]
+        return state["cursor"]
 
     def _residual_hook(self, block, args, kwargs) -> None:
         """Block pre-hook: sum of ||h||^2 over this batch's real tokens of the stream entering the block."""
@@ -359,23 +389,25 @@ class Capture:
 
 
 def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.3,
-                       config: CaptureConfig = CaptureConfig(), batch_size: int = 8) -> SinkSpec:
+                       config: CaptureConfig = CaptureConfig(), batch_size: int = 8,
+                       checkpoints: resume.Checkpoints = resume.NONE) -> SinkSpec:
     """Data-driven sinks (Gu et al. 2025 Sink_eps): keys whose mean received attention exceeds eps.
 
     Mean over layers, heads and the counted query rows that can see the key; keys
     are grouped by position (from the first real token) and by token id.
     """
     with Capture(model, SinkSpec("auto", eps=eps), tokenizer, config) as cap:
-        cap.run(batch, batch_size=batch_size)
+        cap.run(batch, batch_size=batch_size, checkpoints=checkpoints, name="auto-sinks")
     return cap.auto_sinks()
 
 
 def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
                   config: CaptureConfig = CaptureConfig(), batch_size: int = 8,
-                  progress: bool = False) -> st.HeadStats:
+                  progress: bool = False, checkpoints: resume.Checkpoints = resume.NONE,
+                  name: str = "capture") -> st.HeadStats:
     """One call: capture statistics of `batch` and return the finalised head statistics."""
     with Capture(model, sinks, tokenizer, config) as cap:
-        cap.run(batch, batch_size=batch_size, progress=progress)
+        cap.run(batch, batch_size=batch_size, progress=progress, checkpoints=checkpoints, name=name)
     return cap.result()
 
 

@@ -7,9 +7,10 @@ import argparse
 import sys
 
 from pruner import __version__
-from pruner.commands import analyze, compare, evaluate, export, prune, sinks
+from pruner.commands import analyze, bench, compare, evaluate, export, prune, sinks
+from pruner.redact import redact
 
-COMMANDS = (sinks, analyze, prune, compare, evaluate, export)  # the order `pruner --help` lists them in
+COMMANDS = (sinks, analyze, prune, compare, evaluate, export, bench)  # the order `pruner --help` lists them in
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,22 +42,35 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if args.debug:
             raise
-        print("pruner: interrupted; no output folder was written", file=sys.stderr)
+        kept = getattr(e, "pruner_partial", None)
+        print("pruner: interrupted; no output folder was written" + (
+            f"; its progress is kept in {kept}: run the same command with --resume to continue" if kept else ""),
+            file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:  # bad input: files, recipes, data, models, Hub (FileNotFoundError is an OSError)
         if args.debug:
             raise
-        print(f"pruner: error: {_one_line(e)}", file=sys.stderr)
+        print(f"pruner: error: {redact(_one_line(e))}{_kept(e)}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a bug or an environment problem: still one line without --debug
         if args.debug:
             raise
-        print(f"pruner: error: unexpected {type(e).__name__}: {_one_line(e)} (run with --debug for the traceback)",
-              file=sys.stderr)
+        print(f"pruner: error: unexpected {type(e).__name__}: {redact(_one_line(e))}{_kept(e)} (run with --debug for "
+              "the traceback)", file=sys.stderr)
         return 1
+
+
+def _kept(e: BaseException) -> str:
+    """Where a failed run's checkpoints were kept (`report.atomic_dir`), if they were."""
+    from pruner.resume import ResumeError
+
+    kept = getattr(e, "pruner_partial", None)
+    if kept is None or isinstance(e, ResumeError):
+        return ""
+    return f"; its progress is kept in {kept} (--resume continues it, --overwrite discards it)"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ reload holds a second copy of the model in memory for that moment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from pruner import arch, assets, compact, modeling, models, report, surgery
+from pruner import arch, assets, compact, modeling, models, provenance, report, surgery
+from pruner.redact import redact
 from pruner.recipe import Recipe, load_recipe
 
 FORMATS = ("dense", "compact")
@@ -88,6 +90,7 @@ class Run:
     plan: dict                                # plan.json
     metrics: dict                             # metrics.json
     compensation: surgery.Compensation        # compensation.safetensors (empty for `zero`)
+    base_note: str | None = None              # provenance: why the base was not (or could not be) checked
 
     @property
     def heads(self) -> dict[int, list[int]]:
@@ -122,8 +125,9 @@ def rebuild(run: Run, fmt: str):
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
     model = models.load_base(run.recipe.model)
-    tokenizer = models.load_tokenizer(run.recipe.model.path)
-    (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, run.heads, run.compensation)
+    tokenizer = models.load_tokenizer(run.recipe.model.path, trust_remote_code=run.recipe.model.trust_remote_code)
+    heads = provenance.check_fits(run.folder, run.plan, run.compensation, model)  # an edited plan that no longer fits
+    (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, heads, run.compensation)
     return model, tokenizer
 
 
@@ -216,7 +220,7 @@ def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -
         client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         client.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
     except Exception as e:  # noqa: BLE001 - network, auth and HTTP errors all mean "not pushed"
-        first = (str(e).strip().splitlines() or [""])[0]
+        first = redact((str(e).strip().splitlines() or [""])[0])  # HTTP errors may echo request headers
         raise PushError(f"push to {repo_id} failed ({type(e).__name__}: {first}). The local export at {folder} "
                         "is intact. Check the token (`hf auth login`, or HF_TOKEN with write access), the "
                         f"network (or HF_ENDPOINT), and the repo id; then retry with "
@@ -225,12 +229,19 @@ def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -
 
 
 def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
-               private: bool = False, dtype: str | None = None) -> tuple[Exported, str | None]:
+               private: bool = False, allow_changed_base: bool = False,
+               dtype: str | None = None) -> tuple[Exported, str | None]:
     """`pruner export`: write the export, then push it when `repo_id` is given. Returns (export, url).
-    `dtype` overrides the recipe's `export.dtype` (storage dtype; auto = the base checkpoint's own)."""
+
+    A base model that is not the one the run was made from (provenance.json) is
+    refused unless `allow_changed_base`, which the model card then records. `dtype`
+    overrides the recipe's `export.dtype` (storage dtype; auto = the base checkpoint's own).
+    """
     if repo_id:
         check_repo_id(repo_id)
     run = load_run(run_dir)
+    note = provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
+    run = dataclasses.replace(run, base_note=note)
     done = write_export(run, fmt, out, overwrite, repo_id, dtype)
     url = push(done.folder, repo_id, private, commit_message(run, fmt)) if repo_id else None
     return done, url
@@ -352,6 +363,8 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
     sens = report.sensitivity_text(m)
     if sens:
         lines += [sens, ""]
+    if run.base_note:
+        lines += [f"**Base model check.** {run.base_note}", ""]
     refit_text = report.refit_text(m)
     if refit_text:
         lines += [refit_text, ""]
@@ -371,4 +384,4 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
         "```yaml", r.to_yaml().rstrip(), "```", "",
         "## Pruned heads", "", report.plan_table(run.plan), "",
     ]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return ModelCard(redact(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

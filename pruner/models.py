@@ -8,11 +8,14 @@ pretrained encoder can be measured before and after pruning.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import torch
 
 from pruner import assets
+from pruner.redact import redact
 
 MINILM_READOUT_FILE = "readout.safetensors"
 # Named states that load another checkpoint's weights with a different config: name -> (base, overrides).
@@ -118,21 +121,49 @@ def _from_hub(load, name_or_path: str, what: str):
     except OSError as e:
         if path != name_or_path or Path(path).exists():
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = redact(str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__
         raise OSError(f"cannot load the {what} {name_or_path!r}: it is not a shipped checkpoint "
                       f"({', '.join(['minilm', *assets.CHECKPOINTS])}) or a local folder, and the Hugging Face "
                       f"Hub did not provide it ({first}); check the id, the network and HF_TOKEN") from None
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer; code it ships (`auto_map`) runs only with `trust_remote_code`."""
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
     path = resolve(name_or_path)
     if Path(path).exists() and _is_per_layer(path):  # AutoTokenizer would ask to run the folder's model code
         from pruner import compact
 
         return AutoTokenizer.from_pretrained(path, config=compact.load_config(path))
-    return _from_hub(AutoTokenizer.from_pretrained, name_or_path, "tokenizer")
+    if not trust_remote_code:
+        try:
+            check_remote_code(name_or_path, get_tokenizer_config(path), "tokenizer_config.json")
+        except OSError:
+            pass  # no tokenizer config (yet): from_pretrained below says what is missing
+    return _from_hub(lambda p: AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code),
+                     name_or_path, "tokenizer")
+
+
+class RemoteCodeError(ValueError):
+    """A checkpoint that needs its own Python code, which pruner runs only when asked."""
+
+
+def check_remote_code(name: str, config: dict, filename: str = "config.json") -> None:
+    """Refuse a config whose `auto_map` points at code shipped with the checkpoint.
+
+    pruner's own per-layer checkpoints (`pruner_format`) also carry an `auto_map`
+    (so plain transformers can load them with trust_remote_code), but pruner loads
+    them with its packaged copy of that code, never the file in the folder.
+    """
+    auto_map = config.get("auto_map")
+    if not auto_map or config.get("pruner_format"):
+        return
+    refs = sorted({r for v in auto_map.values() for r in (v if isinstance(v, (list, tuple)) else [v]) if r})
+    raise RemoteCodeError(f"{name}: its {filename} asks to run code shipped with the checkpoint "
+                          f"({', '.join(refs)}); pruner never runs a model's own code unless asked: pass "
+                          "--trust-remote-code (recipe: model.trust_remote_code: true) if you trust its author")
 
 
 def check_finite(model, name: str) -> None:
@@ -155,22 +186,30 @@ def attends_causally(model) -> bool:
 
 
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = "sdpa", device_map: str | None = None):
+               attn_implementation: str = "sdpa", device_map: str | None = None, trust_remote_code: bool = False):
     """A causal LM (or BERT-style encoder) in eval mode, via vanilla `from_pretrained`.
 
     `device_map` (e.g. "auto") is passed to transformers/accelerate for models
     larger than one device; otherwise the model is moved to `device`. A name in
-    `VARIANTS` loads its base weights with the variant's config.
+    `VARIANTS` loads its base weights with the variant's config. Code shipped with
+    a checkpoint (`auto_map`) never runs unless `trust_remote_code`: its config is
+    read as JSON first, and transformers is told `trust_remote_code=False` (left
+    unset, it would prompt on a terminal). pruner's own per-layer checkpoints go
+    to `load_pruner_format`.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.utils import logging as hf_logging
 
     path = resolve(name_or_path)
-    if Path(path).exists() and _is_per_layer(path):
+    overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
+    raw = _from_hub(lambda p: PretrainedConfig.get_config_dict(p)[0], name_or_path, "model")  # JSON only
+    if raw.get("pruner_format"):
         return load_pruner_format(path, dtype=dtype, device=device, device_map=device_map,
                                   attn_implementation=attn_implementation)
-    overrides = VARIANTS[name_or_path][1] if name_or_path in VARIANTS else {}
-    config = _from_hub(lambda p: AutoConfig.from_pretrained(p, **overrides), name_or_path, "model")
+    if not trust_remote_code:
+        check_remote_code(name_or_path, raw)
+    config = _from_hub(lambda p: AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code, **overrides),
+                       name_or_path, "model")
     cls = auto_class(config)
     if Path(path).exists():  # an edited config.json (head counts) is one line here, not a reload failure
         from pruner import compact
@@ -184,7 +223,8 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # weights a variant adds are initialised the same way every time
             model = cls.from_pretrained(path, config=config, dtype=getattr(torch, dtype),
-                                        attn_implementation=attn_implementation, **kw)
+                                        attn_implementation=attn_implementation,
+                                        trust_remote_code=trust_remote_code, **kw)
     finally:
         hf_logging.set_verbosity(verbosity)
     check_finite(model, name_or_path)
@@ -227,11 +267,12 @@ def is_masked_lm(config) -> bool:
 
 def load_base(spec, device: str | None = None):
     """The unpruned model a recipe's `model` section names (`path`, `dtype`, `device`, `device_map`,
-    `mlm_readout`): what `prune` calibrates and what `export` rebuilds the pruned model from.
-    `device` overrides `spec.device` (each of several processes takes its own GPU)."""
+    `mlm_readout`, `trust_remote_code`): what `prune` calibrates and what `export` rebuilds the pruned
+    model from. `device` overrides `spec.device` (each of several processes takes its own GPU)."""
     if spec.mlm_readout:
         return load_minilm_mlm(spec.mlm_readout)
-    return load_model(spec.path, dtype=spec.dtype, device=device or spec.device, device_map=spec.device_map)
+    return load_model(spec.path, dtype=spec.dtype, device=device or spec.device, device_map=spec.device_map,
+                      trust_remote_code=getattr(spec, "trust_remote_code", False))
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -244,9 +285,21 @@ def input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+@functools.lru_cache(maxsize=None)
+def forward_parameters(cls) -> frozenset[str]:
+    """The keyword arguments a model class's forward takes by name."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
-    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model."""
+    """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model.
+
+    No KV cache: pruner never generates, and a cache would keep every layer's keys and
+    values alive until the pass returns (GPT-2 small, 8 x 1024 tokens: 0.6 GiB).
+    """
     device = input_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if "use_cache" in forward_parameters(type(model)):
+        kwargs.setdefault("use_cache", False)
     return model(input_ids=input_ids, attention_mask=attention_mask,
                  position_ids=position_ids(attention_mask), **kwargs)

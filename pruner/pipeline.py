@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from pruner import arch, data, distributed, models, refit, surgery, tasks
+from pruner import arch, bench, data, distributed, models, refit, resources, resume, surgery, tasks
 from pruner.calibrate import calibrate
 from pruner.capture import CaptureConfig, capture_stats, resolve_auto_sinks
 from pruner.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
@@ -45,6 +45,7 @@ class Session:
     evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
     _evaluation: EvalWindows | None = field(default=None, repr=False)
     _downstream: tasks.Downstream | None = field(default=None, repr=False)
+    checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
 
     @property
     def evaluation(self) -> EvalWindows:
@@ -81,12 +82,13 @@ def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: li
 
 def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
             calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
-            evaluation: bool = True) -> Session:
+            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE) -> Session:
     """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
 
     `model`/`tokenizer` default to what `recipe.model` names; texts default to the
     recipe's data sources. With `evaluation`, the evaluation windows are built now,
-    so unusable evaluation text fails before any calibration compute.
+    so unusable evaluation text fails before any calibration compute. `checkpoints`:
+    where a resumable run keeps its stages (`pruner.resume`).
     """
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
@@ -95,30 +97,51 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     if model is None:
         model = models.load_base(m, device=distributed.local_device(m.device))
     arch.adapter_for(model)  # unsupported architecture: fail before any compute
-    tok = tokenizer if tokenizer is not None else models.load_tokenizer(m.path)
+    tok = tokenizer if tokenizer is not None else models.load_tokenizer(m.path, m.trust_remote_code)
     causal = models.attends_causally(model)
     cal = recipe.calibration
     texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
     batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
     s = recipe.sinks
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
-    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts)
+    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints)
     if evaluation:
         session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
         session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
     if spec.mode == "auto":
-        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size)
+        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size,
+                                           checkpoints=checkpoints)
     check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
     return session
 
 
 def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> ScoringInputs:
+    """The calibration pass (capture, and the gradient pass when a scorer needs it), after checking
+    that its estimated peak memory fits (`pruner.resources`)."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
+    if r.capture.memory_check:
+        resources.check_memory(session.model, resources.Sizes(
+            batch_size=min(r.calibration.batch_size, len(session.calibration)),
+            length=session.calibration.input_ids.shape[1],
+            chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
-                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge)
+                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints)
+
+
+def stage(session: Session, name: str, compute):
+    """`compute()`, saved as stage `name` of a resumable run; a resumed run reads it back instead.
+
+    Only when every process has it: these stages end in a collective (gathered NLLs).
+    """
+    saved = session.checkpoints.load_all(name)
+    if saved is not None:
+        return saved["value"]
+    value = compute()
+    session.checkpoints.finish(name, lambda: {"value": value})
+    return value
 
 
 def check_refit_tokens(session: Session) -> None:
@@ -224,10 +247,15 @@ def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], comp, base
 
 
 def base_metrics(session: Session, progress: bool = True) -> dict:
+    """The unpruned model's per-window NLLs (and embeddings for encoders): stage `base`."""
     ev = session.recipe.evaluation
-    nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
-                                    causal=session.causal, pool=not session.causal)
-    return {"nll": (nll, count), "emb": emb, "tasks": session.downstream.scores() if session.downstream else None}
+
+    def compute():
+        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
+                                        causal=session.causal, pool=not session.causal)
+        return {"nll": (nll, count), "emb": emb}
+    out = stage(session, "base", compute)  # task scores are not saved (dataclasses): recomputed on resume
+    return {**out, "tasks": session.downstream.scores() if session.downstream else None}
 
 
 def compare(session: Session, scorers: list[str], sparsities: list[float], compensations: list[str],
@@ -254,10 +282,11 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
             records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
             continue
-        for kind in compensations:
+        for kind in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
             spec = recipe.surgery.model_copy(update={"compensation": kind})
-            comp = compensation(session.model, plan.heads, spec, inputs, session)
-            m = evaluate_plan(session, plan.heads, comp, base)
+            comp = compensation(session.model, plan.heads, spec, inputs, session)  # recomputed on resume
+            m = stage(session, f"compare-{len(records)}",
+                      lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
             fit = refit_record(comp, spec, inputs)
             records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
                             "heads": {str(k): v for k, v in plan.heads.items()}, **m,
@@ -280,6 +309,9 @@ def run(session: Session, progress: bool = True) -> RunResult:
     """`pruner prune`: calibrate, score, select, evaluate (scoped mask), then prune the model in place."""
     t0 = time.time()
     recipe, model = session.recipe, session.model
+    if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
+        resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(model),
+                             "the pruned checkpoint (model/)")
     if recipe.surgery.compensation == "refit":
         check_refit_tokens(session)
     plan = make_plan(session, progress=progress)
@@ -287,7 +319,9 @@ def run(session: Session, progress: bool = True) -> RunResult:
     params_before = sum(p.numel() for p in model.parameters())
     latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
     comp = compensation(model, plan.heads, recipe.surgery, plan.calibration, session)
-    m = evaluate_plan(session, plan.heads, comp, base)  # scoped mask: same numbers as the surgery below
+    # scoped mask: the same numbers as the surgery below
+    m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
+    gains = measure_gains(session, plan.heads, comp, progress)  # before the surgery: the model is the base
     apply(model, plan.heads, comp, recipe.surgery.mode)
     geom = plan.geometry
     scorer = get_scorer(plan.scorer)
@@ -302,12 +336,25 @@ def run(session: Session, progress: bool = True) -> RunResult:
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
         "convention_sensitivity": sensitivity_record(plan),
+        **({"bench": gains} if gains is not None else {}),
         "seconds": round(time.time() - t0, 1),
     }
     fit = refit_record(comp, recipe.surgery, plan.calibration)
     if fit is not None:
         metrics["refit"] = fit
     return RunResult(plan, metrics, model, session.tokenizer, comp, recipe)
+
+
+def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:
+    """What the compact form of this plan buys against the base (the recipe's `bench` section): the
+    metrics' `bench` block. Not measured when disabled, on other processes than the first (they would
+    time each other), or for a model spread over devices."""
+    spec = session.recipe.bench
+    if not spec.enabled or not distributed.is_main() or getattr(session.model, "hf_device_map", None):
+        return None
+    dtype = bench.checkpoint_dtype(session.recipe.model, session.model)
+    pruned = bench.compact_copy(session.model, heads, compensation)
+    return bench.bench(session.model, pruned, bench.config_of(spec), dtype, progress).to_dict()
 
 
 def sensitivity_record(plan: Plan) -> dict | None:

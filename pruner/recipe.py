@@ -31,6 +31,7 @@ class ModelSpec(_Strict):
     device: str = "cpu"
     device_map: str | None = None
     mlm_readout: str | None = Field(default=None, description="'shipped' for all-MiniLM-L6-v2's readout")
+    trust_remote_code: bool = Field(False, description="run Python code shipped with the checkpoint (auto_map)")
 
 
 class DataSpec(_Strict):
@@ -181,6 +182,38 @@ class CaptureSpec(_Strict):
 
     chunk_size: int = Field(128, ge=1)
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
+    memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
+                                                 "the free memory")
+
+
+class CheckpointSpec(_Strict):
+    """How often a run saves its calibration sums and finished evaluations for `--resume`
+    (into its partial folder; removed when the run completes). Either trigger saves."""
+
+    every_seconds: float | None = Field(600, ge=0, description="seconds between saves; null: never by time")
+    every_batches: int | None = Field(None, ge=1, description="batches (or examples) between saves")
+
+
+class BenchSpec(_Strict):
+    """What `prune` measures of the pruned compact model against the base (parameters, checkpoint bytes,
+    KV cache, peak memory, prefill latency, decode throughput; see pruner.bench). Small by default so a
+    run stays quick; `pruner bench RUN_DIR` measures at full length."""
+
+    enabled: bool = True
+    lengths: list[int] = Field([128, 512], description="prefill latency at batch 1, tokens (capped at the "
+                                                        "position table)")
+    decode: list[tuple[int, int]] = Field([(1, 16), (8, 256)], description="greedy decode cases "
+                                                                          "[batch, prompt tokens]")
+    new_tokens: int = Field(32, ge=2, description="tokens each decode case generates")
+    repeats: int = Field(3, ge=1, description="interleaved rounds (figures are medians)")
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if any(t < 1 for t in self.lengths) or any(b < 1 or p < 1 for b, p in self.decode):
+            raise ValueError("lengths, batch sizes and prompt lengths must be >= 1")
+        if self.enabled and not self.lengths and not self.decode:
+            raise ValueError("nothing to measure: give lengths or decode cases (or enabled: false)")
+        return self
 
 
 class Recipe(_Strict):
@@ -193,6 +226,8 @@ class Recipe(_Strict):
     surgery: SurgerySpec = SurgerySpec()
     export: ExportSpec = ExportSpec()
     capture: CaptureSpec = CaptureSpec()
+    bench: BenchSpec = BenchSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
     threads: int | None = Field(None, ge=1)
     seed: int = 0
 
@@ -215,6 +250,10 @@ class AnalyzeSpec(_Strict):
     chunk_size: int = Field(128, ge=1)
     bos: bool = True
     threads: int | None = Field(None, ge=1)
+    trust_remote_code: bool = False
+    memory_check: bool = True
+    checkpoint_every_seconds: float | None = Field(600, ge=0)
+    checkpoint_every_batches: int | None = Field(None, ge=1)
 
     @field_validator("metrics")
     @classmethod
@@ -291,7 +330,7 @@ ALIASES = {
     "min_heads_per_layer": "selection.min_heads_per_layer",
     "compensation": "surgery.compensation", "mode": "surgery.mode",
     "sinks": "sinks.mode", "dtype": "model.dtype", "device": "model.device", "device_map": "model.device_map",
-    "threads": "threads", "seed": "seed",
+    "threads": "threads", "seed": "seed", "trust_remote_code": "model.trust_remote_code",
     "tasks": "evaluation.tasks", "task_paths": "evaluation.task_paths", "task_limit": "evaluation.task_limit",
     "num_fewshot": "evaluation.num_fewshot",
 }
@@ -344,11 +383,15 @@ def _read_yaml(path: Path) -> dict:
     if not path.exists():
         raise RecipeError(f"recipe file {path} does not exist")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())  # plain data only: never constructs Python objects
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         why = " ".join(str(getattr(e, "problem", None) or e).split())
+        if isinstance(e, yaml.constructor.ConstructorError) and "tag" in why:
+            tag = why.split("tag", 1)[1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+            raise RecipeError(f"recipe {path}{where}: the tag {tag} is not allowed; a recipe is plain YAML "
+                              "(mappings, lists, strings, numbers, booleans)") from None
         raise RecipeError(f"recipe {path} is not valid YAML{where}: {why}") from None
 
 

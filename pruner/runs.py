@@ -8,15 +8,21 @@
     RUN/compensation.safetensors     the compensation: folded biases `layer.<i>`, refitted weight deltas
                                      `layer.<i>.weight` (not with `zero`)
     RUN/refit.png                    with `refit`: per layer, the pruned heads' energy and what the refit left
+    RUN/provenance.json              what it was made from: base model, tokenizer and data identities, versions
+
+While a run is in progress it is written to `.RUN.partial` next to RUN (`run_folder`), where its
+checkpoints are kept for `--resume` until it completes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Iterator
 
-from pruner import export, report
+from pruner import distributed, export, provenance, report, resume
 
 
 def save_model(result, folder: Path) -> None:
@@ -51,3 +57,31 @@ def save_run(result, folder: Path) -> None:
     (folder / "recipe.yaml").write_text(result.recipe.to_yaml())
     figure = "refit.png" if report.plot_refit(result.metrics, folder / "refit.png") else None
     (folder / "report.md").write_text(report.run_report(result.metrics, plan_json, figure))
+    if getattr(result, "provenance", None):
+        provenance.write(folder, result.provenance)
+
+
+@contextlib.contextmanager
+def run_folder(out: Path, overwrite: bool, resume_run: bool = False) -> Iterator[Path]:
+    """`report.atomic_dir` for a run of one or several processes: yields the partial folder.
+
+    The first process owns it (creates, locks, renames it); every process keeps its
+    checkpoints in it, and all of them have finished before it is renamed. A refusal
+    on entry (an existing output, a live run, checkpoints without --resume) reaches
+    every process.
+    """
+    with contextlib.ExitStack() as stack:
+        error = None
+        if distributed.is_main():
+            try:
+                stack.enter_context(report.atomic_dir(out, overwrite, resume_run))
+            except (ValueError, OSError) as e:
+                error = e
+        told = distributed.all_objects(None if error is None else (type(error).__name__, str(error)))[0]
+        if error is not None:
+            raise error
+        if told is not None:
+            raise (PermissionError if told[0] == "PermissionError" else ValueError)(told[1])
+        yield report.partial_dir(out)
+        distributed.all_objects(None)  # every process's checkpoints written before the folder is renamed
+        resume.kill_point("save")

@@ -14,9 +14,10 @@ from pruner.cli import main
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = {"calibration": {"num_samples": 8}, "evaluation": {"num_samples": 8, "bootstrap": 50, "latency": False}}
+QUICK = {"calibration": {"num_samples": 8}, "evaluation": {"num_samples": 8, "bootstrap": 50, "latency": False},
+         "bench": {"enabled": False}}
 QUICK_SET = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8",
-             "--set", "evaluation.bootstrap=50", "--set", "evaluation.latency=false"]
+             "--set", "evaluation.bootstrap=50", "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
 
 
 def llama_in_memory():

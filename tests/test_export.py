@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--set", "calibration.num_samples=4", "--set", "calibration.length=64", "--set", "evaluation.num_samples=2",
          "--set", "evaluation.length=64", "--set", "evaluation.bootstrap=10", "--set", "evaluation.latency=false",
-         "--set", "capture.metrics=[cosine]"]
+         "--set", "capture.metrics=[cosine]", "--set", "bench.enabled=false"]
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York."
 
 
@@ -243,6 +243,10 @@ def test_unequal_heads_per_layer_export_the_per_layer_form(runs, tmp_path, capsy
     plan = json.loads((run_dir / "plan.json").read_text())
     plan["heads"] = {"0": [0, 1, 4, 5]}  # layer 0 keeps 4 heads (2 per KV group), the others 8
     (run_dir / "plan.json").write_text(json.dumps(plan))
+    comp = export.load_run(run_dir).compensation  # the compensation of the layers still pruned (provenance checks)
+    comp = surgery.Compensation(comp.kind, {k: v for k, v in comp.bias.items() if k == 0},
+                                {k: v for k, v in comp.weight.items() if k == 0})
+    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
     assert main(["export", str(run_dir), "--format", "compact"]) == 0
     out = run_dir / "export-compact"
     config = json.loads((out / "config.json").read_text())

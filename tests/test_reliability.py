@@ -2,13 +2,16 @@
 
 Every case runs `pruner` in-process on small shipped or tiny models. A case passes
 when the exit status and the message match, stderr is one line with no traceback,
-and the output folder (and any temporary sibling) does not exist afterwards.
+and the output folder (and any temporary sibling) does not exist afterwards. A few
+cases stand in for the machine (little memory, a full disk, a Hub error that echoes
+a token) by patching one function while they run (`PATCHES`).
 `eval/error_matrix.py` prints the same cases with their messages for the README.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -30,7 +34,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "calibration.num_samples=4", "--set", "calibration.length=32", "--set", "evaluation.num_samples=4",
         "--set", "evaluation.length=32", "--set", "evaluation.bootstrap=10", "--set", "capture.metrics=[cosine]",
-        "--set", "evaluation.latency=false"]
+        "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
 
 
 def _tiny(folder: Path, cls_name: str, **config) -> Path:
@@ -93,6 +97,8 @@ def build_env(d: Path) -> Path:
     (d / "malformed.yaml").write_text("model:\n  path: [unclosed\n")
     (d / "unknown.yaml").write_text(f"model: {{path: {tiny}, colour: red}}\n")
     (d / "wrongtype.yaml").write_text(f"model: {{path: {tiny}}}\nselection: {{target: lots}}\n")
+    (d / "tagged.yaml").write_text(f"model: {{path: {tiny}}}\nseed: !!python/object/apply:os.system "
+                                   f"['touch {d / 'marker'}']\n")
     (d / "empty.txt").write_text("")
     (d / "short.txt").write_text("To be, or not to be.\n")
     (d / "latin1.txt").write_bytes("Caf\xe9 ol\xe9, se\xf1or.\n".encode("latin-1") * 50)
@@ -102,7 +108,48 @@ def build_env(d: Path) -> Path:
     if os.access(ro, os.W_OK):  # root ignores permission bits: /sys refuses writes even to root
         ro = Path("/sys/pruner-readonly")
     d.joinpath("ro_path").write_text(str(ro))
+    _remote_code_folder(d / "remote-code", d / "marker")
+    for name, edit in (("changed-base-run", _changed_base), ("edited-plan-run", _emptied_layer)):
+        shutil.copytree(d / "llama-run", d / name)
+        edit(d / name)
+    _interrupted(d)
     return d
+
+
+def _remote_code_folder(folder: Path, marker: Path) -> None:
+    """A tiny GPT-2 whose config maps to modeling code in its folder; importing that code writes `marker`."""
+    _tiny(folder, "gpt2", n_layer=2, n_head=4, n_embd=32, n_positions=64, bos_token_id=1, eos_token_id=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "modeling_custom.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+                                               "from transformers import GPT2LMHeadModel as CustomForCausalLM\n")
+
+
+def _changed_base(run: Path) -> None:
+    """The run's record of its base weights no longer matches them (as if the base folder had changed)."""
+    prov = json.loads((run / "provenance.json").read_text())
+    prov["model"]["files"]["model.safetensors"] = "0" * 64
+    (run / "provenance.json").write_text(json.dumps(prov))
+
+
+def _emptied_layer(run: Path) -> None:
+    plan = json.loads((run / "plan.json").read_text())
+    plan["heads"]["0"] = [0, 1, 2, 3]
+    (run / "plan.json").write_text(json.dumps(plan))
+
+
+def _interrupted(d: Path) -> None:
+    """A run interrupted (Ctrl-C) after its first checkpoint: its partial folder holds resumable state."""
+    from pruner import resume
+
+    def stop(label: str) -> None:
+        if label == "capture:1":
+            raise KeyboardInterrupt
+    with mock.patch.object(resume, "kill_point", stop), contextlib.redirect_stderr(io.StringIO()), \
+            contextlib.redirect_stdout(io.StringIO()):
+        assert main(_recipe(d, "checkpoint.every_batches=1") + ["--out", str(d / "interrupted" / "run")]) == 130
+    assert resume.has_state(d / "interrupted" / ".run.partial")
 
 
 def _recipe(env, *sets):
@@ -198,9 +245,52 @@ CASES = [
      r"task 'piqa' needs its dataset from the network, which could not be reached"),
     ("evaluate: a harness task on an encoder", lambda e: ["evaluate", "minilm", "--tasks", "shakespeare_cloze"], 2,
      r"tasks \['shakespeare_cloze'\] are scored by lm-evaluation-harness, which needs a causal LM"),
+    ("recipe with a Python tag", lambda e: ["prune", str(e / "tagged.yaml")], 2,
+     r"tagged.yaml \(line 2, column 7\): the tag !!python/object/apply:os.system is not allowed; a recipe is plain "
+     r"YAML"),
+    ("model that ships its own code", lambda e: _recipe(e, f"model.path={e / 'remote-code'}"), 2,
+     r"remote-code: its config.json asks to run code shipped with the checkpoint \(modeling_custom.CustomForCausalLM\); "
+     r"pruner never runs a model's own code unless asked: pass --trust-remote-code"),
+    ("export: the base model changed", lambda e: ["export", e / "changed-base-run", "--format", "dense"], 2,
+     r"the base is not the one .*changed-base-run was made from: base model .*tiny-llama: model.safetensors differs "
+     r"\(sha256 \w{12} now, 000000000000 in the run\); pass --allow-changed-base to use it anyway"),
+    ("export: an edited plan that empties a layer", lambda e: ["export", e / "edited-plan-run", "--format", "dense"], 2,
+     r"plan.json of .*edited-plan-run does not fit llama \(2 layers x 4 heads\): it prunes all 4 heads of layer 0, "
+     r"emptying it"),
+    ("interrupted run, no --resume", lambda e: _recipe(e) + ["--out", e / "interrupted" / "run"], 2,
+     r"an interrupted run of .*interrupted/run is kept in .*interrupted/\.run\.partial: pass --resume to continue it, "
+     r"or --overwrite to start over"),
+    ("--resume with another recipe", lambda e: _recipe(e, "checkpoint.every_batches=1", "selection.target=0.5")
+     + ["--out", e / "interrupted" / "run", "--resume"], 2,
+     r"cannot resume from .*\.run\.partial: the interrupted run had a different setup \(recipe.selection.target: "
+     r"0.25 -> 0.5\); rerun its own command with --resume, or start over with --overwrite"),
+    ("not enough memory (512 KiB free)", lambda e: _recipe(e, "calibration.batch_size=4"), 2,
+     r"not enough memory for calibration: its peak is about [\d.]+ \w+ \(model .*\), and only 512 KiB is free on cpu "
+     r"beyond the loaded model; lower calibration.batch_size: 2 \(about [\d.]+ \w+\) or model.dtype: bfloat16"),
+    ("not enough disk (1 MiB free)", lambda e: _recipe(e), 2,
+     r"not enough disk space in .*: the pruned checkpoint \(model/\) needs about [\d.]+ MiB, and 1 MiB "
+     r"is free there; free some space or choose another --out"),
+    ("disk full while saving", lambda e: _recipe(e), 2,
+     r"no space left on device while writing .*out: nothing was written and the partial folder was removed; free "
+     r"space on .* and run again"),
+    ("Hub error that echoes the token", lambda e: _recipe(e, "model.path=someone/private-model"), 2,
+     r"cannot load the model 'someone/private-model': .*\(401 Client Error: Unauthorized for url https://huggingface.co/"
+     r"someone/private-model/resolve/main/config.json \(request headers: Authorization: Bearer \*\*\*\)\); check "
+     r"the id, the network and HF_TOKEN"),
 ]
+FAKE_TOKEN = "hf_FakeTokenForPrunerTests0123456789"
 
 
+def _hub_401(*args, **kwargs):
+    raise OSError(f"401 Client Error: Unauthorized for url https://huggingface.co/someone/private-model/resolve/main/"
+                  f"config.json (request headers: Authorization: Bearer {FAKE_TOKEN})\nmore")
+
+
+def _no_room(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+# cases that stand in for the machine: what is patched while they run
 @contextlib.contextmanager
 def _without_harness():
     """As if the tasks extra were not installed: `import lm_eval` fails."""
@@ -215,7 +305,31 @@ def _without_harness():
             sys.modules["lm_eval"] = saved
 
 
-SETUP = {"tasks without lm-evaluation-harness installed": _without_harness}  # case name -> context to run it in
+PATCHES = {  # case name -> what it runs under
+    "tasks without lm-evaluation-harness installed": lambda e: _without_harness(),
+    "not enough memory (512 KiB free)": lambda e: mock.patch("pruner.resources.available_memory",
+                                                              lambda device: 512 << 10),
+    "not enough disk (1 MiB free)": lambda e: mock.patch("pruner.resources.free_disk", lambda folder: 1 << 20),
+    "disk full while saving": lambda e: mock.patch("pruner.export.save_checkpoint", _no_room),
+    "Hub error that echoes the token": lambda e: _patches(
+        mock.patch.dict(os.environ, {"HF_TOKEN": FAKE_TOKEN}),
+        mock.patch("transformers.PretrainedConfig.get_config_dict", _hub_401)),
+}
+
+
+@contextlib.contextmanager
+def _patches(*patches):
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def patched(name: str, env: Path):
+    """The patches of case `name` (nothing for most cases)."""
+    return PATCHES[name](env) if name in PATCHES else contextlib.nullcontext()
+
+
 
 
 def case_args(argv, env: Path, out: Path) -> list[str]:
@@ -226,15 +340,16 @@ def case_args(argv, env: Path, out: Path) -> list[str]:
 @pytest.mark.parametrize("name,argv,status,message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(env, tmp_path, capsys, name, argv, status, message):
     out = tmp_path / "out"
-    with SETUP.get(name, contextlib.nullcontext)():
+    with patched(name, env):
         rc = main(case_args(argv, env, out))
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("pruner: ")]
     assert rc == status, err
     assert len(lines) == 1 and lines[0].startswith("pruner: error: "), err
     assert re.search(message, lines[0]), lines[0]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and FAKE_TOKEN not in err
     assert not out.exists() and not list(tmp_path.glob(".out.*")), "half-written output left behind"
+    assert not (env / "marker").exists(), "a model's own code ran without --trust-remote-code"
 
 
 def test_existing_output_folder_is_kept_without_overwrite(env, tmp_path, capsys):
@@ -326,3 +441,25 @@ def test_interrupt_leaves_no_partial_output(env, tmp_path):
     assert log.read_text().strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"
     assert "Traceback" not in log.read_text()
     assert not out.exists() and not list(tmp_path.glob(".run.*"))
+
+
+def test_a_token_never_reaches_the_output_or_the_run_folder(env, tmp_path, capsys, monkeypatch):
+    """HF_TOKEN set; prune, export and a push that fails with an error echoing the token and its header."""
+    from pruner import export
+
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+
+    class Client:
+        def create_repo(self, *a, **k):
+            raise RuntimeError(f"401 Client Error: Unauthorized (request headers: {{'authorization': 'Bearer "
+                               f"{FAKE_TOKEN}'}}, body: token {FAKE_TOKEN} is invalid)")
+    monkeypatch.setattr(export, "hub_client", lambda: Client())
+    out = tmp_path / "run"
+    assert main(_recipe(env) + ["--out", str(out)]) == 0
+    assert main(["export", str(out), "--format", "dense", "--push-to-hub", "someone/model"]) == 2
+    printed = capsys.readouterr()
+    assert "push to someone/model failed (RuntimeError: 401 Client Error: Unauthorized" in printed.err
+    assert FAKE_TOKEN not in printed.out + printed.err
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert any(f.name == "README.md" for f in files) and any(f.name == "provenance.json" for f in files)
+    assert not [f for f in files if FAKE_TOKEN.encode() in f.read_bytes()]

@@ -23,7 +23,7 @@ def llama_inputs():
 
 
 def test_unknown_scorer_lists_valid_and_suggests():
-    with pytest.raises(ValueError, match=r"did you mean 'sink-aware'\?.*valid: sink-aware, cosine"):
+    with pytest.raises(ValueError, match=r"did you mean 'sink-aware'\?.*valid: sink-aware, refit-energy, cosine"):
         scoring.get_scorer("sink-awre")
 
 

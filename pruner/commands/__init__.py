@@ -14,6 +14,21 @@ def recipe_args(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a recipe key, e.g. --set selection.target=0.4 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    resume_args(p)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped with the model checkpoint (its config's auto_map); "
+                        "same as --set model.trust_remote_code=true")
+
+
+def resume_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run of the same command from the checkpoints in its partial "
+                        "folder (.OUT.partial); starts afresh when there are none")
+
+
+def recipe_overrides(args: argparse.Namespace) -> list[str]:
+    """`--set` values, plus what flags of recipe-driven commands set."""
+    return (args.set or []) + (["model.trust_remote_code=true"] if args.trust_remote_code else [])
 
 
 def sample_args(p: argparse.ArgumentParser, num_samples: int) -> None:
@@ -32,9 +47,12 @@ def sample_args(p: argparse.ArgumentParser, num_samples: int) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped with the model checkpoint (its config's auto_map)")
 
 
 def sample_options(args: argparse.Namespace) -> dict:
     """The flags of `sample_args` as `pruner.api` options."""
     return {"sinks": args.sinks, "unit": args.unit, "max_length": args.max_length, "num_samples": args.num_samples,
-            "bos": not args.no_bos, "batch_size": args.batch_size, "seed": args.seed, "threads": args.threads}
+            "bos": not args.no_bos, "batch_size": args.batch_size, "seed": args.seed, "threads": args.threads,
+            "trust_remote_code": args.trust_remote_code}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pruner.commands import sample_args, sample_options
+from pruner.commands import resume_args, sample_args, sample_options
 
 
 def add_parser(sub, common) -> None:
@@ -27,6 +27,11 @@ def add_parser(sub, common) -> None:
     p.add_argument("--clusters", type=int, default=None, help="number of clusters (default round(sqrt(heads/2)))")
     p.add_argument("--chunk-size", type=int, default=128, help="query rows per chunk (memory)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    resume_args(p)
+    p.add_argument("--checkpoint-every", type=float, default=600, metavar="SECONDS",
+                   help="save the capture sums for --resume this often (default 600)")
+    p.add_argument("--checkpoint-batches", type=int, default=None, metavar="N",
+                   help="also save them every N batches")
     p.set_defaults(func=run)
 
 
@@ -47,17 +52,24 @@ def thresholds(items: list[str] | None) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, report
+    from pruner import api, distributed, report, runs
     from pruner import analysis_report as ar
 
     options = {**sample_options(args), "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
-               "thresholds": thresholds(args.threshold), "clusters": args.clusters, "chunk_size": args.chunk_size}
+               "thresholds": thresholds(args.threshold), "clusters": args.clusters, "chunk_size": args.chunk_size,
+               "checkpoint_every_seconds": args.checkpoint_every, "checkpoint_every_batches": args.checkpoint_batches}
     out = Path(args.out)
-    with report.atomic_dir(out, args.overwrite) as tmp:  # unwritable or existing: fail before compute
-        print(f"{args.model}: every head against every head on {args.data}"
-              + (f", against {args.compare_to}" if args.compare_to else ""))
-        result = api.analyze(args.model, data=args.data, compare_to=args.compare_to, **options)
-        figures = result.write(tmp)
+    main = distributed.is_main()
+    with runs.run_folder(out, args.overwrite, args.resume) as tmp:  # unwritable or existing: fail before compute
+        if main:
+            print(f"{args.model}: every head against every head on {args.data}"
+                  + (f", against {args.compare_to}" if args.compare_to else ""))
+        result = api.analyze(args.model, data=args.data, compare_to=args.compare_to, checkpoint_dir=tmp,
+                             progress=main, **options)
+        if main:
+            figures = result.write(tmp)
+    if not main:
+        return 0
     res = result.data
     print("\n" + report.markdown_table(ar.SUMMARY_HEADER, ar.summary_rows(res)))
     if args.compare_to:

@@ -42,19 +42,21 @@ def _list(text: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, report
+    from pruner import api, distributed, runs
+    from pruner.commands import recipe_overrides
     from pruner.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.set or [])
+    recipe = load_recipe(args.recipe, recipe_overrides(args))
     kw = dict(recipe=recipe, scorers=_list(args.scorers), sparsities=targets(args.sparsities),
               compensations=_list(args.compensation), budgets=_list(args.budgets), gqa=_list(args.gqa))
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
-    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
-        api.compare(progress=False, **kw)
+    main = distributed.is_main()  # several processes: each computes its shard; rank 0 writes and prints
+    with runs.run_folder(out, args.overwrite, args.resume) as tmp:
+        comparison = api.compare(progress=main, checkpoint_dir=tmp, **kw)
+        if main:
+            table = comparison.write(tmp)
+    if not main:
         return 0
-    with report.atomic_dir(out, args.overwrite) as tmp:
-        comparison = api.compare(**kw)
-        table = report.write_compare(comparison.records, recipe, tmp)
     print("\n" + table)
-    print(f"\nwrote {out}/ (compare.json, compare.csv, compare.md, compare.png, recipe.yaml)")
+    print(f"\nwrote {out}/ (compare.json, compare.csv, compare.md, compare.png, recipe.yaml, provenance.json)")
     return 0

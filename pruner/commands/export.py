@@ -23,6 +23,9 @@ def add_parser(sub, common) -> None:
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export folder")
+    p.add_argument("--allow-changed-base", action="store_true",
+                   help="export even if the base model is not the one the run was made from (provenance.json); "
+                        "the model card says so")
     p.set_defaults(func=run)
 
 
@@ -46,5 +49,6 @@ def run(args: argparse.Namespace) -> int:
     if args.private and not args.push_to_hub:
         raise ValueError("--private applies only with --push-to-hub REPO_ID")
     print_export(*api.export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite,
-                                 push_to_hub=args.push_to_hub, private=args.private, dtype=args.dtype))
+                                 push_to_hub=args.push_to_hub, private=args.private, dtype=args.dtype,
+                                 allow_changed_base=args.allow_changed_base))
     return 0

@@ -17,18 +17,20 @@ def add_parser(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, export, report, runs
+    from pruner import api, distributed, export, runs
+    from pruner.commands import recipe_overrides
     from pruner.commands.export import print_export
     from pruner.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, args.set or [])
+    recipe = load_recipe(args.recipe, recipe_overrides(args))
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
-    if not distributed.is_main():  # several processes: each computes its shard; rank 0 writes and prints
-        api.prune(recipe=recipe, progress=False)
+    main = distributed.is_main()  # several processes: each computes its shard; rank 0 writes and prints
+    with runs.run_folder(out, args.overwrite, args.resume) as tmp:
+        result = api.prune(recipe=recipe, checkpoint_dir=tmp, progress=main)
+        if main:
+            runs.save_run(result, tmp)
+    if not main:
         return 0
-    with report.atomic_dir(out, args.overwrite) as tmp:
-        result = api.prune(recipe=recipe)
-        runs.save_run(result, tmp)
     print_summary(result.metrics, out, bool(result.compensation))
     ex = recipe.export
     if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
@@ -70,10 +72,14 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"refit compensation ({fit['mode']}, ridge {fit['ridge']:g}): the kept heads rebuild "
               f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
               f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
+    if m.get("bench"):
+        from pruner.bench import BenchResult
+
+        print(BenchResult.from_dict(m["bench"]).summary())
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     elif m["surgery"] == "mask":
         print("surgery mode `mask`: model/ keeps every shape, so it is no smaller or faster than the base; "
               "`surgery.mode: remove` (or `pruner export RUN --format compact`) writes a smaller model")
-    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md"
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
           + (f", {export.COMPENSATION_FILE})" if compensated else ")"))

@@ -1,0 +1,121 @@
+"""How honest is the memory estimate? `resources.calibration_estimate` vs the measured peak of calibration.
+
+    PYTHONPATH=. python eval/bench_memory.py                  # the README table (~5 min on 2 cores)
+    PYTHONPATH=. python eval/bench_memory.py --cases gpt2-shakespeare:8:128:0   # one case
+
+Each case (model, batch size, window length, gradient scorer or not) runs in a fresh
+subprocess: the model is loaded, a batch of random token windows built, an 8-token
+warm-up run, then the kernel's peak-RSS counter is reset (`/proc/self/clear_refs` = 5)
+and `calibrate` runs once, as `pruner prune` runs it (cosine pairs, output moments,
+chunk 128; with the gradient pass when asked). Measured: VmHWM minus the VmRSS just
+before (what calibration needs on top of the loaded model). Estimated: the estimate's
+total minus the model's own bytes, which is what `check_memory` compares with the free
+memory. glibc's mmap threshold is fixed at 128 KiB so freed tensors leave resident
+memory at once (as in eval/bench_capture.py). Prints the table; writes
+eval/results/bench_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+CASES = ["gpt2-shakespeare:8:128:0", "gpt2-shakespeare:8:128:1", "llama-shakespeare:8:128:0",
+         "llama-shakespeare:8:1024:0", "llama-shakespeare:2:1024:1", "minilm-causal:8:512:0", "minilm-causal:8:512:1",
+         "gpt2-small-random:4:512:0", "gpt2-small-random:2:1024:0", "gpt2-small-random:1:1024:1"]
+
+
+def _status() -> dict[str, float]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def _model(name: str):
+    import torch
+    import transformers as tf
+
+    from pruner import models
+
+    if name == "gpt2-small-random":  # GPT-2 small's shape, random weights (no download)
+        torch.manual_seed(0)
+        return tf.GPT2LMHeadModel(tf.GPT2Config(n_positions=1024)).eval()
+    return models.load_model(name)
+
+
+def case(spec: str) -> dict:
+    import torch
+
+    from pruner import resources
+    from pruner.calibrate import calibrate
+    from pruner.capture import CaptureConfig
+    from pruner.data import TokenBatch
+    from pruner.sinks import SinkSpec
+
+    name, B, T, grad = spec.split(":")
+    B, T, grad = int(B), int(T), bool(int(grad))
+    torch.set_num_threads(2)
+    model = _model(name)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (B, T), generator=g)
+    ids[:, 0] = 1
+    batch = TokenBatch(ids, torch.ones_like(ids))
+    with torch.no_grad():
+        model(input_ids=ids[:1, :8])
+    est = resources.calibration_estimate(model, resources.Sizes(batch_size=B, length=T, chunk_size=128,
+                                                                pair_metrics=1, outputs=True, gradient=grad))
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status()["VmRSS"]
+    calibrate(model, batch, SinkSpec("first"), gradient=grad,
+              config=CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True), batch_size=B)
+    measured = _status()["VmHWM"] - before
+    return {"case": spec, "model": name, "batch_size": B, "length": T, "gradient": grad,
+            "model_bytes": est.parts["model"], "estimate_bytes": est.total - est.parts["model"],
+            "estimate_parts": est.parts, "measured_bytes": measured}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "bench_memory.json"))
+    args = ap.parse_args()
+    if args.case:
+        print(json.dumps(case(args.case)))
+        return
+    rows = []
+    env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    for spec in args.cases.split(","):
+        out = subprocess.run([sys.executable, __file__, "--case", spec], capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(f"case {spec} failed:\n{out.stderr[-2000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        r = rows[-1]
+        print(f"{spec}: estimate {r['estimate_bytes'] / 2**20:.0f} MiB, measured {r['measured_bytes'] / 2**20:.0f} MiB",
+              file=sys.stderr, flush=True)
+    load = os.getloadavg()
+    print("| model | batch x length | gradient | model MiB | estimated MiB | measured MiB | estimate / measured |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['batch_size']} x {r['length']} | {'yes' if r['gradient'] else 'no'} | "
+              f"{r['model_bytes'] / 2**20:.0f} | {r['estimate_bytes'] / 2**20:.0f} | {r['measured_bytes'] / 2**20:.0f} | "
+              f"{r['estimate_bytes'] / max(r['measured_bytes'], 1):.2f} |")
+    print(f"\nload average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"cases": rows, "loadavg": load,
+                                          "method": "VmHWM growth during calibrate (clear_refs=5), fresh process "
+                                                    "per case, glibc mmap threshold 128 KiB"}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
