@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from pruner import arch, assets, data, models, surgery  # noqa: E402
 from pruner.calibrate import calibrate  # noqa: E402
 from pruner.capture import CaptureConfig, capture_stats  # noqa: E402
-from pruner.evaluate import masked_lines, paired_delta, sliding_windows, window_nll  # noqa: E402
+from pruner.perplexity import masked_lines, paired_delta, sliding_windows, window_nll  # noqa: E402
 from pruner.recipe import ModelSpec  # noqa: E402
 from pruner.scoring import SCORERS, Scorer, get_scorer  # noqa: E402
 from pruner.selection import SelectionConfig, SelectionError, select  # noqa: E402

@@ -59,8 +59,9 @@ def checks(cell: dict, scorer: str, comp: str) -> None:
             continue
         best, name = min(others)
         r = cell[(name, t, comp)]
-        print(f"| {t:g} | {fmt(mine)} | {name}: {fmt(r)} | "
-              f"{'yes' if mine['delta'] <= best else f'**no** (by {mine['delta'] - best:.2f})'} |")
+        gap = mine["delta"] - best
+        verdict = "yes" if gap <= 0 else f"**no** (by {gap:.2f})"
+        print(f"| {t:g} | {fmt(mine)} | {name}: {fmt(r)} | {verdict} |")
 
 
 def best_compensation(recipe: str, cell: dict) -> None:

@@ -46,14 +46,20 @@ def test_prune_writes_a_complete_run(tmp_path, capsys):
     assert figures["KV cache"]["saving"] == figures["KV cache"]["ideal"] == 0.25  # 18 of 72 heads, no GQA
     assert {"prefill T=32", "decode batch 2, prompt 16"} <= set(figures)
     assert "## What the compact model buys" in (out / "report.md").read_text()
-    assert "what the compact model buys (18/72 heads" in text and "surgery mode `mask`" in text
-    # the saved (dense, masked) model reloads with vanilla transformers and is really pruned
-    from transformers import AutoModelForCausalLM
+    assert "what the compact model buys (18/72 heads" in text and "model/: the compact model (per-layer" in text
+    # the saved model is the compact one (remove mode; the global budget's uneven layers: per-layer form),
+    # smaller than the base, and it reloads with pruner.load with the pruned heads gone
+    import pruner
+    from pruner.models import resolve
 
-    model = AutoModelForCausalLM.from_pretrained(out / "model")
-    layer, head = plan["entries"][0]["layer"], plan["entries"][0]["head"]
-    w = model.bert.encoder.layer[layer].attention.output.dense.weight
-    assert w[:, head * 32:(head + 1) * 32].abs().sum() == 0
+    assert (metrics["surgery"], metrics["model_layout"]) == ("remove", "per-layer")
+    model = pruner.load(out / "model")
+    assert sum(p.numel() for p in model.parameters()) == metrics["params_after"] < metrics["params_before"]
+    kept = {int(k): 12 - len(v) for k, v in plan["heads"].items()}
+    counts = json.loads((out / "model" / "config.json").read_text())["num_attention_heads_per_layer"]
+    assert all(counts[layer] == n for layer, n in kept.items())
+    assert (out / "model" / "model.safetensors").stat().st_size < (
+        Path(resolve("minilm-causal")) / "model.safetensors").stat().st_size
     # refusing to overwrite leaves the run intact
     assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out)] + QUICK) == 2
     assert (out / "plan.json").read_text() == json.dumps(plan, indent=1, sort_keys=True) + "\n"

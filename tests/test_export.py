@@ -417,8 +417,9 @@ def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, 
 
 def test_prune_saves_its_model_in_the_base_checkpoints_dtype(runs):
     """The quickstart's model/ used to be float32 (twice the shipped float16 original); now it is the base's
-    own dtype, dense in mask mode, the per-layer compact form in remove mode (llama-shakespeare's 6 of 8)."""
-    for name, layout in (("minilm", "dense"), ("llama-default", "per-layer")):
+    own dtype and the compact form (remove mode): per-layer for its uneven global budget, as for
+    llama-shakespeare's 6 of 8; dense in mask mode (gpt2-shakespeare's recipe)."""
+    for name, layout in (("minilm", "per-layer"), ("llama-default", "per-layer"), ("gpt2", "dense")):
         metrics = json.loads((runs(name) / "metrics.json").read_text())
         assert (metrics["model_layout"], metrics["model_dtype"]) == (layout, "float16")
         assert json.loads((runs(name) / "model" / "config.json").read_text())["dtype"] == "float16"

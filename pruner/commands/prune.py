@@ -81,5 +81,11 @@ def print_summary(m: dict, out, compensated: bool) -> None:
     elif m["surgery"] == "mask":
         print("surgery mode `mask`: model/ keeps every shape, so it is no smaller or faster than the base; "
               "`surgery.mode: remove` (or `pruner export RUN --format compact`) writes a smaller model")
+    else:
+        how = {"vanilla": "loads with plain from_pretrained",
+               "per-layer": "per-layer head counts: pruner.load(path), or from_pretrained with trust_remote_code=True"
+               }.get(m["model_layout"], "loads with plain from_pretrained")
+        print(f"model/: the compact model ({m['model_layout']}; {how}): {m['params_after']:,} parameters "
+              f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
           + (f", {export.COMPENSATION_FILE})" if compensated else ")"))
