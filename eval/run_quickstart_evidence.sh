@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues 14 and 15 on the causal all-MiniLM-L6-v2 (the shipped decoder with real sinks): one `pruner compare`,
 # every scorer x {25, 40, 50}% x {zero, mean, refit}, 256 evaluation windows of 128 tokens (perplexity CIs
-# that separate the scorers) and the shipped offline task suite (first 200 documents of each task), paired with
+# that separate the scorers) and the shipped offline task suite (first 100 documents of each task), paired with
 # the base on the same windows and documents. Then the issue-14 target checks and the issue-15 rank agreement.
 #
 #   eval/run_quickstart_evidence.sh          (about an hour on 2 quiet CPU cores)
@@ -15,7 +15,7 @@ out=runs/evidence-quickstart
 python -m pruner.cli compare recipes/quickstart.yaml --out "$out" --overwrite \
   --sparsities 0.25,0.4,0.5 --compensation zero,mean,refit \
   --set evaluation.num_samples=256 --set "capture.metrics=[cosine]" --set threads=2 \
-  --set "evaluation.tasks=[shakespeare]" --set evaluation.task_limit=200
+  --set "evaluation.tasks=[shakespeare]" --set evaluation.task_limit=100
 cp "$out/compare.json" eval/results/refit_compare-quickstart.json
 cp "$out/compare.md" eval/results/evidence-quickstart.md
 python eval/refit_tables.py --model quickstart | tee eval/results/refit_targets-quickstart.md
