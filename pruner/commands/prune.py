@@ -83,7 +83,8 @@ def print_summary(m: dict, out, compensated: bool) -> None:
               "`surgery.mode: remove` (or `pruner export RUN --format compact`) writes a smaller model")
     else:
         how = {"vanilla": "loads with plain from_pretrained",
-               "per-layer": "per-layer head counts: pruner.load(path), or from_pretrained with trust_remote_code=True"
+               "per-layer": "head counts differ by layer: pruner.load(path), or from_pretrained with "
+                            "trust_remote_code=True"
                }.get(m["model_layout"], "loads with plain from_pretrained")
         print(f"model/: the compact model ({m['model_layout']}; {how}): {m['params_after']:,} parameters "
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
