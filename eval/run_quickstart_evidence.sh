@@ -4,7 +4,7 @@
 #    {25, 40, 50}% x {zero, mean, refit}, 256 evaluation windows of 128 tokens (perplexity CIs that separate
 #    the scorers), and the target checks.
 # 2. (issue 15) `pruner compare` with the shipped offline task suite (first 100 documents of each task) beside
-#    perplexity (64 windows), four scorers x {25, 40, 50}% under mean compensation, paired with the base on the
+#    perplexity (64 windows), three scorers x {25, 40, 50}% under mean compensation, paired with the base on the
 #    same windows and documents; do accuracy and perplexity rank the scorers alike.
 #
 #   eval/run_quickstart_evidence.sh [refit] [tasks]      (default both; about 20 + 15 minutes on 2 CPU cores)
@@ -26,7 +26,7 @@ for part in "${parts[@]}"; do
       python eval/refit_tables.py --model quickstart | tee eval/results/refit_targets-quickstart.md ;;
     tasks)
       python -m pruner.cli compare recipes/quickstart.yaml --out runs/evidence-tasks --overwrite \
-        --scorers sink-aware,fluctuation,magnitude,random --sparsities 0.25,0.4,0.5 --compensation mean \
+        --scorers sink-aware,fluctuation,random --sparsities 0.25,0.4,0.5 --compensation mean \
         --set "capture.metrics=[cosine]" --set threads=2 \
         --set "evaluation.tasks=[shakespeare]" --set evaluation.task_limit=100
       cp runs/evidence-tasks/compare.json eval/results/tasks_compare-quickstart.json
