@@ -28,13 +28,11 @@ test can interrupt a run at an exact point.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -127,12 +125,11 @@ class Checkpoints:
         path = self._path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        with _signals_held():  # Ctrl-C inside torch.save would surface as a zip-writer error, not an interrupt
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def step(self, name: str, batches_done: int, state_fn) -> None:
         """After a batch: save `state_fn()` when due. Also the tests' kill point `name:batches_done`."""
@@ -243,18 +240,3 @@ def open_checkpoints(folder: Path, fp: dict, every_batches: int | None = None,
     if error:
         raise ResumeError(error)
     return Checkpoints(folder, every_batches, every_seconds)
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Hold SIGINT/SIGTERM for the block (main thread only): one arriving is delivered when it ends,
-    so an interrupt lands between checkpoint writes, never inside one."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
