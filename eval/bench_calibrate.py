@@ -162,12 +162,34 @@ def run_model(name: str, args) -> dict:
                 fns[c]()
             runs[c].append({"seconds": m.seconds, "extra_gb": m.extra_gb})
             print(f"  {name} {c}: {m.seconds:.1f} s, +{m.extra_gb:.2f} GB", file=sys.stderr, flush=True)
-    return {"model": name, "params": params, "model_gb": sum(p.numel() * p.element_size()
+    prof = profile_calibrate(model, batch, args) if args.profile else None
+    return {"model": name, "params": params, "profile": prof, "model_gb": sum(p.numel() * p.element_size()
                                                               for p in model.parameters()) / GB,
             "build_s": built, "windows": args.windows, "length": args.length, "batch_size": args.batch_size,
             "device": args.device, "threads": args.threads,
             "cases": {c: {"seconds": statistics.median(r["seconds"] for r in rs),
                           "extra_gb": max(r["extra_gb"] for r in rs), "runs": rs} for c, rs in runs.items()}}
+
+
+def profile_calibrate(model, batch, args) -> list:
+    """The top operators of one batch of `calibrate` by self time on the device (CUDA kernels or CPU ops)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pruner.data import TokenBatch
+
+    one = TokenBatch(batch.input_ids[:args.batch_size], batch.attention_mask[:args.batch_size])
+    fn = cases(model, one, args.batch_size)["calibrate"]
+    cuda = args.device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in ops) or 1.0
+    return [(e.key, getattr(e, key) / 1e3, getattr(e, key) / total, e.count) for e in ops[:15]]
 
 
 # --------------------------------------------------------------------------- report
@@ -239,10 +261,11 @@ def estimate_8b(windows: int = 128, length: int = 2048, batch: int = 8, chunk: i
 
 def spawn(name: str, args) -> dict:
     """`run_model` in a fresh process (its own allocator state and memory counters); last stdout line is JSON."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **MALLOC_ENV}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried packages
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **MALLOC_ENV}
     cmd = [sys.executable, __file__, "--one", name, "--windows", str(args.windows), "--length", str(args.length),
            "--batch-size", str(args.batch_size), "--threads", str(args.threads), "--repeats", str(args.repeats),
-           "--device", args.device, "--cases", ",".join(args.cases)]
+           "--device", args.device, "--cases", ",".join(args.cases)] + (["--profile"] if args.profile else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
     if out.returncode != 0:
         return {"model": name, "error": f"exit {out.returncode}"}
@@ -260,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--profile", action="store_true", help="also print the top operators of one calibrate batch")
     ap.add_argument("--out", default=str(ROOT / "eval" / "results"))
     args = ap.parse_args(argv)
     args.cases = args.cases.split(",")
@@ -289,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + table(ok) + "\n")
     for line in targets(ok) + [""] + estimate_8b():
         print(line)
+    for r in ok:
+        if r.get("profile"):
+            print(f"\n{r['model']}: top operators of one calibrate batch ({args.batch_size} x {args.length}), self time")
+            for op, ms, share, count in r["profile"]:
+                print(f"  {share:6.1%}  {ms:9.1f} ms  x{count:<6d} {op[:90]}")
     print(f"\nload average 1/5/15 min: start {load_start}, end {meta['loadavg_end']}; wall {meta['wall_s']:.0f} s")
     print(f"wrote {out}/bench_calibrate.json")
     return 0

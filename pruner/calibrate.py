@@ -33,19 +33,22 @@ def layer_grams(model) -> torch.Tensor:
 
     Products in float32 (bfloat16 weights: on bfloat16 / TF32 units, exact products), summed
     in a fixed order (`stats.gram`): float64 products cost d_model x (H*d_head)^2 per
-    layer, seconds for a 1B model, for a precision (~1e-7) no score needs.
+    layer, seconds for a 1B model, for a precision (~1e-7) no score needs. Computed where
+    each layer's weights live, returned on the CPU beside the captured statistics.
     """
     g = arch.geometry(model)
     out = []
     for layer in range(g.n_layers):
         w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
         with st.matmul_precision(w.dtype == torch.bfloat16):
-            out.append(st.gram(w.float(), g.n_heads).double())
+            out.append(st.gram(w.float(), g.n_heads).double().cpu())
     return torch.stack(out)
 
 
 def weight_norms(model) -> torch.Tensor:
-    """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)"""
+    """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)
+
+    On the CPU, whatever device the model is on (scores live beside the captured statistics)."""
     g = arch.geometry(model)
     sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
     rows = []
@@ -56,7 +59,7 @@ def weight_norms(model) -> torch.Tensor:
         q_sq = per_head(sq(q), g.n_heads)
         kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
         o_sq = per_head(sq(o.t()), g.n_heads)
-        rows.append((q_sq + kv_sq + o_sq).sqrt())
+        rows.append((q_sq + kv_sq + o_sq).sqrt().cpu())
     return torch.stack(rows)
 
 

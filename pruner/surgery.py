@@ -99,7 +99,7 @@ def compensation_bias(model, heads: HeadSet, outputs: list[OutputMoments]) -> di
             continue
         mom = outputs[layer]
         w = arch.o_weight_cols(model, layer)  # (d_model, heads * d_head)
-        mean = (mom.o / mom.tokens)[hs].reshape(-1)  # (len(hs) * d_head,) original numbering
+        mean = (mom.o / mom.tokens)[hs].reshape(-1).to(w.device)  # (len(hs) * d_head,) original numbering
         out[layer] = (w[:, _channels(model, layer, hs)].double() @ mean.double()).to(w.dtype)
     return out
 
@@ -235,7 +235,7 @@ def _add_bias(model, layer: int, delta: torch.Tensor) -> None:
                                                    device=o_proj.weight.device))
             model._pruner_bias_not_in_config = True
     with torch.no_grad():
-        o_proj.bias += delta.to(o_proj.bias.dtype)
+        o_proj.bias += delta.to(o_proj.bias.device, o_proj.bias.dtype)  # deltas are computed on the CPU
 
 
 def _enable_attention_bias(model) -> None:
