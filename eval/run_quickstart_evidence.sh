@@ -4,10 +4,10 @@
 #    {25, 40, 50}% x {zero, mean, refit}, 256 evaluation windows of 128 tokens (perplexity CIs that separate
 #    the scorers), and the target checks.
 # 2. (issue 15) `pruner compare` with the shipped offline task suite (first 100 documents of each task) beside
-#    perplexity (64 windows), three scorers x {25, 40, 50}% under mean compensation, paired with the base on the
-#    same windows and documents; do accuracy and perplexity rank the scorers alike.
+#    perplexity (64 windows), every scorer x {25, 40, 50}% x {zero, mean, refit}, paired with the base on the
+#    same windows and documents; do accuracy and perplexity rank the scorers alike. Resumable (--resume).
 #
-#   eval/run_quickstart_evidence.sh [refit] [tasks]      (default both; about 20 + 15 minutes on 2 CPU cores)
+#   eval/run_quickstart_evidence.sh [refit] [tasks]      (default both; about 20 + 60 minutes on 2 CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -25,8 +25,8 @@ for part in "${parts[@]}"; do
       cp runs/evidence-refit/compare.md eval/results/refit_compare-quickstart.md
       python eval/refit_tables.py --model quickstart | tee eval/results/refit_targets-quickstart.md ;;
     tasks)
-      python -m pruner.cli compare recipes/quickstart.yaml --out runs/evidence-tasks --overwrite \
-        --scorers sink-aware,fluctuation,random --sparsities 0.25,0.4,0.5 --compensation mean \
+      python -m pruner.cli compare recipes/quickstart.yaml --out runs/evidence-tasks --resume \
+        --sparsities 0.25,0.4,0.5 --compensation zero,mean,refit \
         --set "capture.metrics=[cosine]" --set threads=2 \
         --set "evaluation.tasks=[shakespeare]" --set evaluation.task_limit=100
       cp runs/evidence-tasks/compare.json eval/results/tasks_compare-quickstart.json

@@ -2,7 +2,7 @@
 
     import pruner
     plan = pruner.plan(model, tokenizer, texts, scorer="sink-aware", target=0.25)   # nothing changed yet
-    pruner.apply(model, plan, compensation="mean", mode="remove")                    # in place
+    pruner.apply(model, plan, compensation="refit", mode="remove")                   # in place
     result = pruner.prune(model, tokenizer, texts, target=0.25)                      # plan + apply + evaluate
 
 Every function takes the model as an object (built in memory, fine-tuned,
@@ -140,7 +140,7 @@ def plan(model=None, tokenizer=None, data=None, *, recipe=None, progress: bool =
     return pipeline.make_plan(call.session(progress, evaluation=False), progress=progress)
 
 
-def apply(model, plan: Plan, compensation: str = "mean", mode: str = "mask", ridge: float = 1e-3):
+def apply(model, plan: Plan, compensation: str = "refit", mode: str = "mask", ridge: float = 1e-3):
     """Prune `model` in place as `plan` says and return it.
 
     `mode`: `mask` zeroes the heads' output-projection columns (every shape kept),

@@ -110,7 +110,9 @@ class SurgerySpec(_Strict):
     """How heads go: masked or removed, and what is kept of them (see pruner.surgery)."""
 
     mode: Literal["mask", "remove"] = "mask"
-    compensation: Literal["zero", "mean", "refit"] = "mean"
+    # refit by default: with the sink-aware scorer, the pair chosen on the development split
+    # (eval/refit_study.py; README "Refit compensation"); it needs no bias, so every family gets it
+    compensation: Literal["zero", "mean", "refit"] = "refit"
     ridge: float = Field(1e-3, ge=0, description="refit: ridge, relative to the mean diagonal of each layer's "
                                                  "second moment")
     refit_mode: Literal["oneshot", "sequential"] = Field(

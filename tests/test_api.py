@@ -69,7 +69,7 @@ def test_plan_then_apply_equals_prune():
     assert sum(len(v) for v in plan.heads.values()) == 8 and "8/32 heads" in repr(plan)
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     before = model(ids).logits
-    pruner.apply(model, plan, compensation="mean", mode="mask")
+    pruner.apply(model, plan, mode="mask")  # the defaults: refit compensation, as prune
     assert not torch.allclose(model(ids).logits, before)
 
     other, tok2 = llama_in_memory()
