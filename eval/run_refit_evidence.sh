@@ -4,7 +4,7 @@
 # encoder: 512, the recipe's), one calibration pass per model. Writes runs/refit-compare-*/ and
 # copies compare.json / compare.md into eval/results/; eval/refit_tables.py prints the target checks.
 #
-#   eval/run_refit_evidence.sh [recipe ...]       (default: all four; hours on 2 shared CPU cores)
+#   [THREADS=N] eval/run_refit_evidence.sh [recipe ...]   (default: all four; hours on 2 shared CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -17,7 +17,7 @@ for recipe in "${recipes[@]}"; do
   # the encoder recipe already evaluates 512 lines
   [ "$recipe" = minilm-encoder ] && extra=()
   python -m pruner.cli compare "recipes/$recipe.yaml" --out "runs/refit-compare-$recipe" --overwrite \
-    --compensation zero,mean,refit --set "capture.metrics=[cosine]" --set threads=2 "${extra[@]}"
+    --compensation zero,mean,refit --set "capture.metrics=[cosine]" --set threads="${THREADS:-2}" "${extra[@]}"
   cp "runs/refit-compare-$recipe/compare.json" "eval/results/refit_compare-$recipe.json"
   cp "runs/refit-compare-$recipe/compare.md" "eval/results/refit_compare-$recipe.md"
 done
