@@ -87,8 +87,9 @@ def main() -> None:
     ap.add_argument("--ridge", type=float, default=1e-3)
     ap.add_argument("--budget", default="global")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     t0 = time.time()
     encoder = args.model == "minilm"
     model = models.load_base(ModelSpec(path=args.model, mlm_readout="shipped" if encoder else None))
