@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pruner import bench, surgery
+from pruner import bench, ideal, surgery
 from pruner.selection import SelectionConfig, SelectionError
 from tiny import tiny_model
 
@@ -15,18 +15,18 @@ QUICK = bench.BenchConfig(lengths=(12,), decode=((2, 10),), new_tokens=3, repeat
 @pytest.mark.unit
 def test_shape_math_by_hand():
     """Two layers, d_model 8, d_head 2: every cost function against numbers worked out on paper."""
-    s = bench.Shape(q_heads=(4, 4), kv_heads=(2, 2), d_model=8, d_head=2, q_head_params=16, o_head_params=16,
+    s = ideal.Shape(q_heads=(4, 4), kv_heads=(2, 2), d_model=8, d_head=2, q_head_params=16, o_head_params=16,
                     kv_head_params=32, other_weights=(100, 100), logits_width=80, params=1000, read_params=900,
                     itemsize=2, causal=True)
     assert s.attention_params() == 2 * (4 * 32 + 2 * 32)
-    assert bench.kv_bytes_per_token(s) == 2 * (2 * 2 * 2 * 2)  # layers x (k, v) x kv heads x d_head x bytes
+    assert ideal.kv_bytes_per_token(s) == 2 * (2 * 2 * 2 * 2)  # layers x (k, v) x kv heads x d_head x bytes
     # T=3: 2*3*(8*2*(8+4) + 100) per layer weights, 4*2*4*6 attention (6 causal pairs), one LM-head row
-    assert bench.prefill_flops(s, 3) == 2 * (2 * 3 * (16 * 12 + 100) + 4 * 2 * 4 * 6) + 2 * 80
-    assert bench.decode_bytes(s, batch=2, context=5) == 900 * 2 + 2 * 5 * 32
+    assert ideal.prefill_flops(s, 3) == 2 * (2 * 3 * (16 * 12 + 100) + 4 * 2 * 4 * 6) + 2 * 80
+    assert ideal.decode_bytes(s, batch=2, context=5) == 900 * 2 + 2 * 5 * 32
     t = s.with_heads((2, 4), (1, 2))
     removed = 2 * 32 + 1 * 32
     assert (t.params, t.read_params) == (1000 - removed, 900 - removed)
-    assert bench.resident_bytes(t, 10) == (1000 - removed) * 2 + 10 * 24
+    assert ideal.resident_bytes(t, 10) == (1000 - removed) * 2 + 10 * 24
 
 
 @pytest.mark.unit
@@ -53,9 +53,9 @@ def test_parameter_and_kv_savings_equal_the_ideal(budget, gqa, target):
     res = bench.bench(base, pruned, QUICK)
     params, kv = res.figure("parameters"), res.figure("KV cache")
     assert params.pruned < params.base and params.saving == params.ideal
-    ideal = bench.shape_of(base, surgery.kept_heads(pruned))
-    assert params.pruned == ideal.params
-    assert kv.pruned == bench.kv_bytes_per_token(ideal) and kv.saving == kv.ideal
+    shape = bench.shape_of(base, surgery.kept_heads(pruned))
+    assert params.pruned == shape.params
+    assert kv.pruned == ideal.kv_bytes_per_token(shape) and kv.saving == kv.ideal
     assert (kv.saving > 0) == (gqa == "group")  # equal heads per group keep every KV head
     assert res.heads["pruned"] == len(plan.entries)
 

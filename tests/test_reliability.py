@@ -423,6 +423,13 @@ def test_half_precision_underflow_is_handled(env, tmp_path, capsys):
     assert torch.isfinite(torch.tensor([metrics["evaluation"]["base"], metrics["evaluation"]["pruned"]])).all()
 
 
+def terminal_sigint() -> None:
+    """`preexec_fn` of a child that Ctrl-C must reach: SIGINT as a terminal leaves it (default), whatever
+    this test process inherited (a suite launched in the background inherits SIGINT *ignored*, and a
+    Python child then never sees the signal)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_leaves_no_partial_output(env, tmp_path):
     """Ctrl-C (SIGINT) mid-calibration: exit 130, one line, no output folder, no temporary sibling."""
     out = tmp_path / "run"
@@ -430,7 +437,7 @@ def test_interrupt_leaves_no_partial_output(env, tmp_path):
     cmd = [sys.executable, "-m", "pruner.cli", "prune", str(ROOT / "recipes" / "gpt2-shakespeare.yaml"),
            "--set", "calibration.num_samples=256", "--set", "calibration.batch_size=1", "--out", str(out)]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=f, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=f, stdout=subprocess.DEVNULL, preexec_fn=terminal_sigint)
         deadline = time.time() + 120
         while "capture:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)

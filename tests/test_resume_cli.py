@@ -28,7 +28,7 @@ import torch
 
 from pruner import resume
 from pruner.cli import main
-from test_reliability import _tiny
+from test_reliability import _tiny, terminal_sigint
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,7 +229,7 @@ def test_ctrl_c_keeps_the_progress_and_says_how_to_resume(models, reference, tmp
     log = tmp_path / "stderr.txt"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pruner.cli", *args], cwd=ROOT, env=env(), stderr=f,
-                                stdout=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, preexec_fn=terminal_sigint)
         deadline = time.time() + 240
         while not resume.has_state(partial) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
