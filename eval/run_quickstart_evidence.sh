@@ -31,6 +31,7 @@ for part in "${parts[@]}"; do
         --set "evaluation.tasks=[shakespeare]" --set evaluation.task_limit=100
       cp runs/evidence-tasks/compare.json eval/results/tasks_compare-quickstart.json
       cp runs/evidence-tasks/compare.md eval/results/tasks_compare-quickstart.md
-      python eval/task_ranks.py runs/evidence-tasks/compare.json | tee eval/results/task_ranks-quickstart.md ;;
+      python eval/task_ranks.py runs/evidence-tasks/compare.json | tee eval/results/task_ranks-quickstart.md
+      python eval/task_ranks.py --cells runs/evidence-tasks/compare.json | tee eval/results/tasks_table-quickstart.md ;;
   esac
 done

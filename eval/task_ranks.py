@@ -1,10 +1,12 @@
 """Do accuracy and perplexity rank the scorers the same way? Read a compare.json written with evaluation.tasks.
 
-    python eval/task_ranks.py runs/quickstart-compare/compare.json [--metric acc]
+    python eval/task_ranks.py runs/quickstart-compare/compare.json [--metric acc] [--cells]
 
 For every compensation x sparsity: the Spearman correlation across scorers between the
 perplexity change and each task's accuracy change (sign flipped, so 1 = the same order),
-the same for the mean accuracy change over tasks, and the best scorer by each.
+the same for the mean accuracy change over tasks, and the best scorer by each. With
+`--cells`: instead, a row per scorer and a column per compensation x sparsity, each cell
+`perplexity change / mean accuracy change over tasks` (points).
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("compare_json")
     ap.add_argument("--metric", default="acc")
+    ap.add_argument("--cells", action="store_true", help="print the perplexity / accuracy change of every plan")
     args = ap.parse_args()
     records = [r for r in json.loads(Path(args.compare_json).read_text()) if "error" not in r and r.get("tasks")]
+    if args.cells:
+        print(cells(records, args.metric))
+        return
     task_names = list(dict.fromkeys(t for r in records for t in r["tasks"]))
     rows = []
     for comp in dict.fromkeys(r["compensation"] for r in records):
@@ -43,6 +49,23 @@ def main() -> None:
     print(f"Spearman rho across scorers: perplexity change vs {args.metric} change (1 = same order)\n")
     print(markdown_table(["compensation", "sparsity", "scorers", *task_names, "mean over tasks",
                           "best by perplexity", f"best by mean {args.metric}"], rows))
+
+
+def cells(records: list[dict], metric: str) -> str:
+    """Markdown: a row per scorer, a column per compensation x sparsity, `ppl change / mean acc change`."""
+    comps = list(dict.fromkeys(r["compensation"] for r in records))
+    sparsities = sorted({r["sparsity"] for r in records})
+    by = {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records}
+    cols = [(c, s) for c in comps for s in sparsities]
+    rows = []
+    for scorer in dict.fromkeys(r["scorer"] for r in records):
+        row = [scorer]
+        for c, s in cols:
+            r = by.get((scorer, s, c))
+            acc = [] if r is None else [t[metric]["delta"] for t in r["tasks"].values() if metric in t]
+            row.append("—" if not acc else f"{r['delta']:+.2f} / {100 * sum(acc) / len(acc):+.1f}")
+        rows.append(row)
+    return markdown_table(["scorer"] + [f"{c} @ {s:g}" for c, s in cols], rows)
 
 
 if __name__ == "__main__":
