@@ -28,11 +28,13 @@ test can interrupt a run at an exact point.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,11 +127,12 @@ class Checkpoints:
         path = self._path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _signals_held():  # Ctrl-C inside torch.save would surface as a zip-writer error, not an interrupt
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
 
     def step(self, name: str, batches_done: int, state_fn) -> None:
         """After a batch: save `state_fn()` when due. Also the tests' kill point `name:batches_done`."""
@@ -240,3 +243,28 @@ def open_checkpoints(folder: Path, fp: dict, every_batches: int | None = None,
     if error:
         raise ResumeError(error)
     return Checkpoints(folder, every_batches, every_seconds)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C (SIGINT) inside the block is recorded, and delivered to the previous handler when the block
+    ends: an interrupt lands between checkpoint writes, never inside one (inside torch.save it would
+    surface as the zip writer's RuntimeError, and leave a half-written temporary file).
+
+    A Python-level handler, not a signal mask: Python runs signal handlers in the main thread between
+    bytecodes, whichever thread the OS delivers the signal to, while a mask is per thread and the
+    signal would reach one of torch's worker threads. Main thread only (signal.signal requires it); an
+    ignored SIGINT stays ignored.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    caught: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])  # the default handler raises KeyboardInterrupt here
