@@ -29,7 +29,9 @@ RECIPES = ("llama-shakespeare", "gpt2-shakespeare")
 
 def plays(split: str) -> list[str]:
     """The shipped plays of a split, read directly (the GPU image may lack `datasets`; both devices get these)."""
-    return [f.read_text() for f in sorted((ROOT / "pruner" / "assets" / "shakespeare" / split).glob("*.txt"))]
+    from pruner import assets
+
+    return [f.read_text() for f in sorted(assets.shakespeare(split).glob("*.txt"))]
 
 
 def compare_on(recipe: str, device: str):
@@ -64,16 +66,16 @@ def check_compare(recipe: str, device: str) -> list[str]:
 def check_prune_export(recipe: str, out: Path, device: str) -> list[str]:
     import pruner
 
-    runs = {}
+    runs = []
     for i, dev in enumerate(("cpu", device)):
         t0 = time.perf_counter()
         r = pruner.prune(recipe=str(ROOT / "recipes" / f"{recipe}.yaml"), data=plays("calibration"),
                          eval_data=plays("evaluation"), device=dev, progress=False, compensation="refit",
                          mode="remove")
         folder = r.save(out / f"prune-{recipe}-{i}-{dev}", overwrite=True)  # model/: compact, reload-checked on `dev`
-        runs[i] = (r.metrics["evaluation"], time.perf_counter() - t0, r.plan.heads)
+        runs.append((r.metrics["evaluation"], time.perf_counter() - t0, r.plan.heads))
     pruner.load(folder / "model")  # the saved compact model loads back (pruner's own loader, on the CPU)
-    (a, t_cpu, h_cpu), (b, t_gpu, h_gpu) = runs[0], runs[1]
+    (a, t_cpu, h_cpu), (b, t_gpu, h_gpu) = runs
     bad = [] if h_cpu == h_gpu else ["different heads"]
     if abs(a["delta"] - b["delta"]) > 1e-3:
         bad.append(f"delta {a['delta']:.5f} (cpu) vs {b['delta']:.5f} (cuda)")
