@@ -15,10 +15,10 @@ the median is reported):
 
   plain      `model(ids)` over the windows in batches of `--batch-size`: logits included,
              what evaluation runs;
-  calibrate  `pruner.calibrate.calibrate` as `prune` calls it by default: capture with
+  calibrate  `pruner.pruning.calibrate.calibrate` as `prune` calls it by default: capture with
              output moments and the cosine pair matrices (the default scorer's and
              mean/refit compensation's inputs), weight Gram matrices, cross energy;
-  gradient   `pruner.calibrate.gradient_importance`, the gradient scorer's pass: one
+  gradient   `pruner.pruning.calibrate.gradient_importance`, the gradient scorer's pass: one
              forward + backward per window.
 
 Memory. CPU: peak resident memory during the case minus the resident memory just
@@ -41,8 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from pruner.core import environment
+from pruner.core.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
 
 # Public config.json fields of each checkpoint that fix the architecture (copied from the Hub pages).
 CONFIGS = {
@@ -120,10 +123,10 @@ class Meter:
 def cases(model, batch, batch_size: int) -> dict:
     import torch
 
-    from pruner.calibrate import calibrate, gradient_importance
-    from pruner.capture import CaptureConfig
-    from pruner.models import forward
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.runtime import forward
+    from pruner.pruning.calibrate import calibrate, gradient_importance
 
     config = CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True)  # prune's default capture
 
@@ -141,7 +144,7 @@ def run_model(name: str, args) -> dict:
     """Build one model and time / meter every case on the same windows."""
     import torch
 
-    from pruner.data import TokenBatch
+    from pruner.core.data import TokenBatch
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -176,7 +179,7 @@ def profile_calibrate(model, batch, args) -> list:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from pruner.data import TokenBatch
+    from pruner.core.data import TokenBatch
 
     one = TokenBatch(batch.input_ids[:args.batch_size], batch.attention_mask[:args.batch_size])
     fn = cases(model, one, args.batch_size)["calibrate"]
@@ -195,21 +198,20 @@ def profile_calibrate(model, batch, args) -> list:
 # --------------------------------------------------------------------------- report
 
 def table(results: list[dict]) -> str:
-    head = ("| model | params | windows x T | batch | plain s | calibrate s | calibrate/plain | gradient s "
-            "| gradient/plain | model GB | plain +GB | calibrate +GB | gradient +GB |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    header = ["model", "params", "windows x T", "batch", "plain s", "calibrate s", "calibrate/plain", "gradient s",
+              "gradient/plain", "model GB", "plain +GB", "calibrate +GB", "gradient +GB"]
+    rows = []
     for r in results:
         c = r["cases"]
         s = lambda k: c[k]["seconds"] if k in c else None  # noqa: E731
         fmt = lambda x, f="{:.1f}": "—" if x is None else f.format(x)  # noqa: E731
         ratio = lambda k: None if s(k) is None or s("plain") is None else s(k) / s("plain")  # noqa: E731
         mem = lambda k: None if k not in c else c[k]["extra_gb"]  # noqa: E731
-        lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['windows']} x {r['length']} | {r['batch_size']} | "
-                     f"{fmt(s('plain'))} | {fmt(s('calibrate'))} | {fmt(ratio('calibrate'), '{:.2f}')} | "
-                     f"{fmt(s('gradient'))} | {fmt(ratio('gradient'), '{:.2f}')} | {r['model_gb']:.2f} | "
-                     f"{fmt(mem('plain'), '{:+.2f}')} | {fmt(mem('calibrate'), '{:+.2f}')} | "
-                     f"{fmt(mem('gradient'), '{:+.2f}')} |")
-    return "\n".join(lines)
+        rows.append([r["model"], f"{r['params'] / 1e9:.2f}B", f"{r['windows']} x {r['length']}", r["batch_size"],
+                     fmt(s("plain")), fmt(s("calibrate")), fmt(ratio("calibrate"), "{:.2f}"), fmt(s("gradient")),
+                     fmt(ratio("gradient"), "{:.2f}"), f"{r['model_gb']:.2f}", fmt(mem("plain"), "{:+.2f}"),
+                     fmt(mem("calibrate"), "{:+.2f}"), fmt(mem("gradient"), "{:+.2f}")])
+    return markdown_table(header, rows)
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -301,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{name}: " + (r["error"] if "error" in r else ", ".join(
             f"{c} {v['seconds']:.1f} s +{v['extra_gb']:.2f} GB" for c, v in r["cases"].items())), flush=True)
-    import torch
-
-    meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "device": args.device, "threads": args.threads,
+    meta = {**environment.versions(), **environment.machine(), "device": args.device, "threads": args.threads,
             "repeats": args.repeats, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "wall_s": time.time() - t0, "command": " ".join(sys.argv)}
     out = Path(args.out)

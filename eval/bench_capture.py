@@ -8,7 +8,7 @@
 
 On the same model and the same tokens (batch 1), each case is one of
   (a) plain       one SDPA forward pass of the model (logits included);
-  (b) calibrate   the whole `pruner.calibrate.calibrate` call `prune` makes by default: capture
+  (b) calibrate   the whole `pruner.pruning.calibrate.calibrate` call `prune` makes by default: capture
                   with output moments (mean / refit compensation, the sink-aware scorer's cross
                   energy), sink mass, entropies, the cosine pair matrices under both conventions
                   (redundancy scorers, the plan's twin column), residual norms, weight Gram
@@ -57,8 +57,11 @@ import sys
 import time
 from pathlib import Path
 
+from pruner.core import environment
+from pruner.core.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
 
 MODES = ("plain", "calibrate", "capture", "capture_se", "capture_sdpa", "eager")
 EXTRA_MODES = ("capture_cos",)
@@ -88,9 +91,9 @@ def load(name: str):
         torch.manual_seed(0)
         cfg = tf.GPT2Config(n_layer=12, n_head=12, n_embd=768, n_positions=8192)
         return tf.GPT2LMHeadModel(cfg).eval(), None
-    from pruner import models
+    from pruner.checkpoints import loading
 
-    return models.load_model(name), models.load_tokenizer(name)
+    return loading.load_model(name), loading.load_tokenizer(name)
 
 
 def max_positions(model) -> int | None:
@@ -107,7 +110,7 @@ def tokens(tokenizer, vocab: int, T: int):
 
     if tokenizer is None:
         return torch.randint(0, vocab, (1, T), generator=torch.Generator().manual_seed(0))
-    from pruner import data
+    from pruner.core import data
 
     batch = data.token_windows(tokenizer, data.load_texts(data.TextSource("shakespeare:evaluation")), T,
                                num_samples=1, seed=0)
@@ -118,10 +121,10 @@ def case_fn(mode: str, model, ids):
     """A zero-argument callable running one case."""
     import torch
 
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.data import TokenBatch
-    from pruner.models import forward
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.data import TokenBatch
+    from pruner.core.runtime import forward
 
     mask = torch.ones_like(ids)
     batch = TokenBatch(ids, mask)
@@ -129,7 +132,7 @@ def case_fn(mode: str, model, ids):
     if mode == "plain":
         return lambda: torch.no_grad()(forward)(model, ids, mask)
     if mode == "calibrate":
-        from pruner.calibrate import calibrate
+        from pruner.pruning.calibrate import calibrate
 
         return lambda: calibrate(model, batch, spec, config=CaptureConfig(metrics=("cosine",), outputs=True))
     if mode == "capture":
@@ -242,22 +245,18 @@ def table(results: list[dict]) -> str:
     keys = list(dict.fromkeys((r["model"], r["T"]) for r in results))
     fmt = lambda x, f="{:.2f}": "—" if x is None else f.format(x)  # noqa: E731
     g = lambda model, T, mode, k: by.get((model, T, mode), {}).get(k)  # noqa: E731
-    head = "| model | T | plain s | " + " | ".join(f"{m}/plain" for m in others) + " |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    times, memory = [], []
     for model, T in keys:
         plain = g(model, T, "plain", "median_s")
         cell = lambda m: ("—" if g(model, T, m, "median_s") is None or plain is None  # noqa: E731
                           else f"{g(model, T, m, 'median_s') / plain:.2f} ({g(model, T, m, 'median_s'):.2f} s)")
-        lines.append(f"| {model} | {T} | {fmt(plain)} | " + " | ".join(cell(m) for m in others) + " |")
-    head = "| model | T | plain MiB | " + " | ".join(f"{m} +MiB" for m in others) + " |"
-    lines += ["", head, "|" + "---|" * (head.count("|") - 1)]
-    for model, T in keys:
+        times.append([model, T, fmt(plain)] + [cell(m) for m in others])
         plain = g(model, T, "plain", "extra_mib")
         over = lambda m: None if g(model, T, m, "extra_mib") is None or plain is None \
             else g(model, T, m, "extra_mib") - plain  # noqa: E731
-        lines.append(f"| {model} | {T} | {fmt(plain, '{:.0f}')} | " + " | ".join(fmt(over(m), "{:+.0f}") for m in others)
-                     + " |")
-    return "\n".join(lines)
+        memory.append([model, T, fmt(plain, "{:.0f}")] + [fmt(over(m), "{:+.0f}") for m in others])
+    return (markdown_table(["model", "T", "plain s"] + [f"{m}/plain" for m in others], times) + "\n\n"
+            + markdown_table(["model", "T", "plain MiB"] + [f"{m} +MiB" for m in others], memory))
 
 
 def targets(results: list[dict]) -> list[str]:
@@ -294,11 +293,11 @@ def analyze_case(name: str, threads: int, repeats: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from pruner import analysis
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.data import TokenBatch
-    from pruner.models import forward
-    from pruner.sinks import SinkSpec
+    from pruner.analysis import convention as analysis
+    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.data import TokenBatch
+    from pruner.core.runtime import forward
 
     torch.set_num_threads(threads)
     model, tok = load(name)
@@ -306,7 +305,7 @@ def analyze_case(name: str, threads: int, repeats: int) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (ANALYZE_WINDOWS, ANALYZE_T),
                             generator=torch.Generator().manual_seed(0))
     else:
-        from pruner import data
+        from pruner.core import data
 
         ids = data.token_windows(tok, data.load_texts(data.TextSource("shakespeare:evaluation")), ANALYZE_T,
                                  num_samples=ANALYZE_WINDOWS, seed=0).input_ids
@@ -339,15 +338,14 @@ def analyze_case(name: str, threads: int, repeats: int) -> dict:
 
 
 def analyze_table(rows: list[dict]) -> str:
-    head = ("| model | windows x T | plain s | analyze capture s | capture/plain | clustering s | "
-            "top ops of the capture (self CPU share) |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    out = []
     for r in rows:
         m = r["median_s"]
         top = ", ".join(f"{op.removeprefix('aten::')} {share:.0%}" for op, _, share in r["profile"][:5])
-        lines.append(f"| {r['model']} | {r['windows']} x {r['T']} | {m['plain']:.2f} | {m['capture']:.2f} | "
-                     f"{m['capture'] / m['plain']:.2f} | {m['analysis']:.2f} | {top} |")
-    return "\n".join(lines)
+        out.append([r["model"], f"{r['windows']} x {r['T']}", f"{m['plain']:.2f}", f"{m['capture']:.2f}",
+                    f"{m['capture'] / m['plain']:.2f}", f"{m['analysis']:.2f}", top])
+    return markdown_table(["model", "windows x T", "plain s", "analyze capture s", "capture/plain", "clustering s",
+                           "top ops of the capture (self CPU share)"], out)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -374,7 +372,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--memory", nargs=3, metavar=("MODEL", "MODE", "T"), help=argparse.SUPPRESS)
     ap.add_argument("--time", nargs=2, metavar=("MODEL", "T"), help=argparse.SUPPRESS)
@@ -392,25 +390,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="runs/bench")
-    args = ap.parse_args(argv)
-    modes = args.modes.split(",")
-    if args.memory:
-        name, mode, T = args.memory
-        print(json.dumps(memory_case(name, mode, int(T), args.threads)))
-        return 0
-    if args.time:
-        print(json.dumps(time_cases(args.time[0], modes, int(args.time[1]), args.threads, args.repeats)))
-        return 0
-    if args.analyze_case:
-        print(json.dumps(analyze_case(args.analyze_case, args.threads, args.repeats)))
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return ap.parse_args(argv)
+
+
+def run_cases(args: argparse.Namespace, modes: list[str]) -> tuple[list[dict], list[dict]]:
+    """Every (model, T) job in a fresh process per measurement, then the `analyze` cases."""
     lengths = [int(x) for x in args.lengths.split(",")]
     jobs = [(name, T, modes) for name in args.models.split(",") for T in lengths_for(name, lengths)]
     if args.long and RANDOM in args.models.split(","):
         jobs.append((RANDOM, args.long, [m for m in args.long_modes.split(",") if m != "eager"]))
-    load_start = os.getloadavg()
     results = []
     for i, (name, T, ms) in enumerate(jobs):
         t0 = time.time()
@@ -427,9 +415,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[analyze] {name}: " + (r["error"] if "error" in r else
                                        ", ".join(f"{k} {v:.2f} s" for k, v in r["median_s"].items()))
               + f"  ({time.time() - t0:.0f} s)", flush=True)
-    import torch
+    return results, analyzed
 
-    meta = {"threads": args.threads, "repeats": args.repeats, "cpus": os.cpu_count(), "torch": torch.__version__,
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    modes = args.modes.split(",")
+    if args.memory:  # the child processes: one case each, JSON on stdout
+        name, mode, T = args.memory
+        print(json.dumps(memory_case(name, mode, int(T), args.threads)))
+        return 0
+    if args.time:
+        print(json.dumps(time_cases(args.time[0], modes, int(args.time[1]), args.threads, args.repeats)))
+        return 0
+    if args.analyze_case:
+        print(json.dumps(analyze_case(args.analyze_case, args.threads, args.repeats)))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    results, analyzed = run_cases(args, modes)
+    meta = {**environment.versions(), **environment.machine(), "threads": args.threads, "repeats": args.repeats,
             "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
             "memory_method": "peak RSS growth (VmHWM after clear_refs=5, minus VmRSS before), fresh process per case, "
                              "glibc mmap threshold fixed at 128 KiB",

@@ -5,7 +5,7 @@
 On each model, the same windows / samples, `--threads` torch threads, repeats
 interleaved round-robin (a shared machine's load falls on every case alike),
 median wall time after a warm-up round:
-  perplexity   `pruner.perplexity.window_scores` over the evaluation windows (forward,
+  perplexity   `pruner.evaluation.perplexity.window_scores` over the evaluation windows (forward,
                float32 log-softmax, token-weighted NLL), vs
   forward      plain forward passes over the same batches (logits, nothing else):
                tokens/s of both, and their ratio;
@@ -29,8 +29,11 @@ import sys
 import time
 from pathlib import Path
 
+from pruner.core import environment
+from pruner.core.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
 
 MODELS = ("gpt2-shakespeare", "llama-shakespeare", "minilm-causal", "gpt2-small-random")
 
@@ -39,8 +42,9 @@ def setup(name: str, n_windows: int, n_calib: int):
     """(model, evaluation windows, calibration batch)."""
     import torch
 
-    from pruner import data, models
-    from pruner.perplexity import EvalWindows, sliding_windows
+    from pruner.checkpoints import loading
+    from pruner.core import data
+    from pruner.evaluation.perplexity import EvalWindows, sliding_windows
 
     if name == "gpt2-small-random":
         import transformers as tf
@@ -51,7 +55,7 @@ def setup(name: str, n_windows: int, n_calib: int):
         ids = torch.randint(0, model.config.vocab_size, (8, 512), generator=g)  # 8 windows of 512
         ones = torch.ones_like(ids)
         return model, EvalWindows(ids, ones, ids.clone()), data.TokenBatch(ids, ones)
-    model, tok = models.load_model(name), models.load_tokenizer(name)
+    model, tok = loading.load_model(name), loading.load_tokenizer(name)
     ev = data.load_texts(data.TextSource("shakespeare:evaluation"))
     cal = data.load_texts(data.TextSource("shakespeare:calibration"))
     return (model, sliding_windows(tok, ev, 128, max_windows=n_windows),
@@ -61,11 +65,11 @@ def setup(name: str, n_windows: int, n_calib: int):
 def bench_model(name: str, args) -> dict:
     import torch
 
-    from pruner.calibrate import calibrate, gradient_importance
-    from pruner.capture import CaptureConfig
-    from pruner.perplexity import window_scores
-    from pruner.models import forward
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.runtime import forward
+    from pruner.evaluation.perplexity import window_scores
+    from pruner.pruning.calibrate import calibrate, gradient_importance
 
     model, windows, batch = setup(name, args.windows, args.calibration)
     bs = args.batch_size
@@ -99,16 +103,14 @@ def bench_model(name: str, args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | eval windows x T | forward tok/s | perplexity tok/s | perplexity/forward time | "
-             "calib windows | attention scoring s | gradient scoring s | gradient/attention |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in results:
         T = r["eval_tokens"] // r["eval_windows"]
-        lines.append(f"| {r['model']} | {r['eval_windows']} x {T} | {r['forward_tok_s']:.0f} | "
-                     f"{r['perplexity_tok_s']:.0f} | {r['perplexity_over_forward']:.2f} | {r['calib_windows']} | "
-                     f"{r['median_s']['attention']:.2f} | {r['median_s']['gradient']:.2f} | "
-                     f"{r['gradient_over_attention']:.2f} |")
-    return "\n".join(lines)
+        rows.append([r["model"], f"{r['eval_windows']} x {T}", f"{r['forward_tok_s']:.0f}", f"{r['perplexity_tok_s']:.0f}",
+                     f"{r['perplexity_over_forward']:.2f}", r["calib_windows"], f"{r['median_s']['attention']:.2f}",
+                     f"{r['median_s']['gradient']:.2f}", f"{r['gradient_over_attention']:.2f}"])
+    return markdown_table(["model", "eval windows x T", "forward tok/s", "perplexity tok/s", "perplexity/forward time",
+                           "calib windows", "attention scoring s", "gradient scoring s", "gradient/attention"], rows)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -155,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         results.append(bench_model(name, args))
         print(f"{name}: done in {time.time() - t0:.0f} s", flush=True)
-    meta = {"threads": args.threads, "repeats": args.repeats, "batch_size": args.batch_size,
-            "cpus": os.cpu_count(), "torch": torch.__version__, "loadavg_start": load_start,
+    meta = {**environment.versions(), **environment.machine(), "threads": args.threads, "repeats": args.repeats,
+            "batch_size": args.batch_size, "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(),
             "time_method": f"median of {args.repeats} rounds after a warm-up round, cases interleaved"}
     (out / "bench_eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

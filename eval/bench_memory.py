@@ -24,8 +24,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pruner.core.tables import markdown_table
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 CASES = ["gpt2-shakespeare:8:128:0", "gpt2-shakespeare:8:128:1", "llama-shakespeare:8:128:0",
          "llama-shakespeare:8:1024:0", "llama-shakespeare:2:1024:1", "minilm-causal:8:512:0", "minilm-causal:8:512:1",
@@ -45,22 +47,22 @@ def _model(name: str):
     import torch
     import transformers as tf
 
-    from pruner import models
+    from pruner.checkpoints import loading
 
     if name == "gpt2-small-random":  # GPT-2 small's shape, random weights (no download)
         torch.manual_seed(0)
         return tf.GPT2LMHeadModel(tf.GPT2Config(n_positions=1024)).eval()
-    return models.load_model(name)
+    return loading.load_model(name)
 
 
 def case(spec: str) -> dict:
     import torch
 
-    from pruner import resources
-    from pruner.calibrate import calibrate
-    from pruner.capture import CaptureConfig
-    from pruner.data import TokenBatch
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.data import TokenBatch
+    from pruner.pruning.calibrate import calibrate
+    from pruner.runs import resources
 
     name, B, T, grad = spec.split(":")
     B, T, grad = int(B), int(T), bool(int(grad))
@@ -104,12 +106,11 @@ def main() -> None:
         print(f"{spec}: estimate {r['estimate_bytes'] / 2**20:.0f} MiB, measured {r['measured_bytes'] / 2**20:.0f} MiB",
               file=sys.stderr, flush=True)
     load = os.getloadavg()
-    print("| model | batch x length | gradient | model MiB | estimated MiB | measured MiB | estimate / measured |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['batch_size']} x {r['length']} | {'yes' if r['gradient'] else 'no'} | "
-              f"{r['model_bytes'] / 2**20:.0f} | {r['estimate_bytes'] / 2**20:.0f} | {r['measured_bytes'] / 2**20:.0f} | "
-              f"{r['estimate_bytes'] / max(r['measured_bytes'], 1):.2f} |")
+    print(markdown_table(
+        ["model", "batch x length", "gradient", "model MiB", "estimated MiB", "measured MiB", "estimate / measured"],
+        [[r["model"], f"{r['batch_size']} x {r['length']}", "yes" if r["gradient"] else "no",
+          f"{r['model_bytes'] / 2**20:.0f}", f"{r['estimate_bytes'] / 2**20:.0f}", f"{r['measured_bytes'] / 2**20:.0f}",
+          f"{r['estimate_bytes'] / max(r['measured_bytes'], 1):.2f}"] for r in rows]))
     print(f"\nload average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cases": rows, "loadavg": load,

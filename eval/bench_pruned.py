@@ -10,12 +10,12 @@ of the heads, `selection.budget` layer (the same count in every layer) and globa
 (any count per layer), `selection.gqa` equal (the same number of query heads removed
 from every KV group, every KV head kept) and group (whole KV groups); GPT-2 has no
 GQA, so only `equal`. Heads are chosen by `random` scores through the usual selection
-(`pruner.bench.weight_plan`, seed 0): which heads go does not change what removing
+(`pruner.evaluation.bench.weight_plan`, seed 0): which heads go does not change what removing
 them buys, only how many per layer and per group.
 
 Every variant of a model lives in one process with its base (`bench.compact_copy`
 shares the weights outside q/k/v/o), and every round runs every case on the base and
-on each variant in turn (`pruner.bench.measure`), `--repeats` rounds after a warm-up
+on each variant in turn (`pruner.evaluation.timing.measure`), `--repeats` rounds after a warm-up
 round; figures are medians, the range is that of the per-round savings. Writes
 `<out>/bench_pruned.json` and `<out>/bench_pruned.md` and prints the tables and the
 issue's targets: realised parameter and KV-cache savings equal to the ideal, and at
@@ -32,13 +32,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from pruner.core.tables import markdown_table
+from pruner.evaluation import bench, timing
+from pruner.pruning.selection import SelectionConfig, SelectionError
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from pruner import bench, report  # noqa: E402
-from pruner.selection import SelectionConfig, SelectionError  # noqa: E402
 
 # Public configs (the fields that shape the model), as in each model's config.json on the Hub.
 CONFIGS = {
@@ -103,7 +103,7 @@ def plans(model, targets=TARGETS, budgets=BUDGETS, gqa_modes=GQA) -> list[tuple[
             for t in targets for b in budgets for g in gqa]
 
 
-def bench_model(name: str, cfg: bench.BenchConfig, dtype: torch.dtype, progress: bool, axes: dict) -> list[dict]:
+def bench_model(name: str, cfg: timing.BenchConfig, dtype: torch.dtype, progress: bool, axes: dict) -> list[dict]:
     """Base + every plan's compact copy, measured together; one record per plan."""
     t0 = time.time()
     base = build(name, dtype)
@@ -118,7 +118,7 @@ def bench_model(name: str, cfg: bench.BenchConfig, dtype: torch.dtype, progress:
         variants[label] = bench.compact_copy(base, plan.heads)
     load = os.getloadavg()
     t0 = time.time()
-    run_plan, runs = bench.measure({"base": base, **variants}, cfg, progress)
+    run_plan, runs = timing.measure({"base": base, **variants}, cfg, progress)
     cond = bench.conditions(base, cfg, run_plan, load)
     cond["seconds"] = round(time.time() - t0)
     for label, model in variants.items():
@@ -170,15 +170,15 @@ def profile(name: str, label: str, case: str, dtype: torch.dtype, rows: int = 12
     pruned = bench.compact_copy(base, bench.weight_plan(base, sel, seed=0).heads)
     kind, _, size = case.partition(":")
     if kind == "prefill":
-        cfg = bench.BenchConfig(lengths=(int(size),), decode=(), repeats=1)
+        cfg = timing.BenchConfig(lengths=(int(size),), decode=(), repeats=1)
     else:
         b, p = (int(x) for x in size.split("x"))
-        cfg = bench.BenchConfig(lengths=(), decode=((b, p),), new_tokens=16, repeats=1)
+        cfg = timing.BenchConfig(lengths=(), decode=((b, p),), new_tokens=16, repeats=1)
     out = []
     for tag, model in (("base", base), (label, pruned)):
-        bench.measure({tag: model}, cfg)  # warm-up and one round outside the profiler
+        timing.measure({tag: model}, cfg)  # warm-up and one round outside the profiler
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            bench.measure({tag: model}, bench.BenchConfig(cfg.lengths, cfg.decode, cfg.new_tokens, repeats=1))
+            timing.measure({tag: model}, timing.BenchConfig(cfg.lengths, cfg.decode, cfg.new_tokens, repeats=1))
         out.append(f"### {name} {tag}, {case}\n\n```\n"
                    + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows) + "```")
     return "\n\n".join(out)
@@ -217,7 +217,7 @@ def savings_table(records: list[dict]) -> str:
         by = {f["name"]: f for f in r["figures"]}
         rows.append([r["model"], r["plan"], f"{h['pruned']}/{h['total']} ({h['kv_removed']}/{h['kv_total']} KV)"]
                     + [_cell(by[c]) if c in by else "—" for c in cols])
-    return report.markdown_table(["model", "plan", "heads removed"] + cols, rows)
+    return markdown_table(["model", "plan", "heads removed"] + cols, rows)
 
 
 def base_table(records: list[dict]) -> str:
@@ -231,7 +231,7 @@ def base_table(records: list[dict]) -> str:
         by = {f["name"]: f for f in r["figures"]}
         rows.append([r["model"], r["conditions"]["dtype"]]
                     + [f"{bench._fmt(by[c]['base'])} {by[c]['unit']}".strip() if c in by else "—" for c in cols])
-    return report.markdown_table(["model", "dtype"] + cols, rows)
+    return markdown_table(["model", "dtype"] + cols, rows)
 
 
 def target_lines(records: list[dict]) -> list[str]:
@@ -272,7 +272,7 @@ def markdown(records: list[dict], checks: list[dict] | None) -> str:
         text += ["Plans that cannot be selected:", *errors, ""]
     if checks:
         text += ["dtype check (GPT-2 small, batch 1):", "",
-                 report.markdown_table(["dtype", "prefill T=512 (ms)", "decode step (ms)"],
+                 markdown_table(["dtype", "prefill T=512 (ms)", "decode step (ms)"],
                                        [[c["dtype"], c["prefill_512_ms"], c["decode_step_ms"]] for c in checks]), ""]
     text += ["Targets:", "", *[f"- {line}" for line in target_lines(records)]]
     return "\n".join(text) + "\n"
@@ -312,7 +312,7 @@ def main() -> None:
         print(text)
         (Path(args.out) / f"profile-{name}-{case.replace(':', '-')}.md").write_text(text + "\n")
         return
-    cfg = bench.BenchConfig(lengths=tuple(int(x) for x in args.lengths.split(",") if x), decode=_pairs(args.decode),
+    cfg = timing.BenchConfig(lengths=tuple(int(x) for x in args.lengths.split(",") if x), decode=_pairs(args.decode),
                             new_tokens=args.new_tokens, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

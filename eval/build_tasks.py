@@ -37,15 +37,13 @@ import json
 import math
 import random
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pruner.core import assets
 
-from pruner import assets  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED = 15
 HEADING = re.compile(r"^[A-Z][A-Z' ,\-]*[A-Z]\.$")          # a speaker heading: "KING RICHARD."
@@ -246,7 +244,7 @@ TEMPLATE = """\
 # {about} Chance: {chance}.
 tag: shakespeare
 task: {task}
-custom_dataset: !function pruner.tasks.jsonl_dataset
+custom_dataset: !function pruner.evaluation.tasks.jsonl_dataset
 dataset_kwargs:
   data_files: {{test: {task}.jsonl}}
 test_split: test

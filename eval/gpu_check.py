@@ -23,13 +23,13 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
 RECIPES = ("llama-shakespeare", "gpt2-shakespeare")
 
 
 def plays(split: str) -> list[str]:
     """The shipped plays of a split, read directly (the GPU image may lack `datasets`; both devices get these)."""
-    from pruner import assets
+    from pruner.core import assets
 
     return [f.read_text() for f in sorted(assets.shakespeare(split).glob("*.txt"))]
 

@@ -9,15 +9,13 @@ scorers, how many would change under the other convention.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pruner import arch, pipeline  # noqa: E402
-from pruner.recipe import load_recipe  # noqa: E402
-from pruner.scoring import SCORERS, get_scorer  # noqa: E402
-from pruner.selection import SelectionConfig, convention_sensitivity, select  # noqa: E402
+from pruner.core import arch
+from pruner.core.tables import markdown_table
+from pruner.pruning.scoring import SCORERS, get_scorer
+from pruner.pruning.selection import SelectionConfig, convention_sensitivity, select
+from pruner.runs import pipeline
+from pruner.runs.recipe_io import load_recipe
 
 
 def main() -> None:
@@ -33,7 +31,7 @@ def main() -> None:
         geom = arch.geometry(session.model)
         cfg = SelectionConfig(target=args.target)
         print(f"\n## {name}: {geom.n_layers} layers x {geom.n_heads} heads, {args.target:.0%} pruned")
-        print("| scorer | pruned heads (layer:head) | convention sensitivity |\n|---|---|---|")
+        rows = []
         for s in SCORERS:
             scorer = get_scorer(s)
             plan = select(scorer, inputs, geom, cfg)
@@ -41,7 +39,8 @@ def main() -> None:
             heads = " ".join(f"{layer}:{h}" for layer, hs in plan.heads.items() for h in hs)
             note = "—" if sens is None else (f"{sens.changed}/{len(plan.entries)} change under {sens.other} "
                                              f"(out: {sens.only_this}, in: {sens.only_other})")
-            print(f"| {s} | {heads} | {note} |", flush=True)
+            rows.append([s, heads, note])
+        print(markdown_table(["scorer", "pruned heads (layer:head)", "convention sensitivity"], rows), flush=True)
 
 
 if __name__ == "__main__":

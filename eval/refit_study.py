@@ -24,23 +24,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.checkpoints import loading
+from pruner.core import arch, assets, data
+from pruner.core.tables import change_cell, markdown_table
+from pruner.evaluation.perplexity import (
+    masked_lines,
+    paired_delta,
+    sliding_windows,
+    window_nll,
+)
+from pruner.pruning import surgery
+from pruner.pruning.calibrate import calibrate
+from pruner.pruning.scoring import SCORERS, Scorer, get_scorer
+from pruner.pruning.selection import SelectionConfig, SelectionError, select
+from pruner.runs.recipe import ModelSpec
 
-from pruner import arch, assets, data, models, surgery  # noqa: E402
-from pruner.calibrate import calibrate  # noqa: E402
-from pruner.capture import CaptureConfig, capture_stats  # noqa: E402
-from pruner.perplexity import masked_lines, paired_delta, sliding_windows, window_nll  # noqa: E402
-from pruner.recipe import ModelSpec  # noqa: E402
-from pruner.scoring import SCORERS, Scorer, get_scorer  # noqa: E402
-from pruner.selection import SelectionConfig, SelectionError, select  # noqa: E402
-from pruner.sinks import SinkSpec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CAL_PLAYS = ("othello", "as_you_like_it")
 DEV_PLAYS = ("henry_v", "winters_tale")
@@ -77,7 +83,7 @@ def compensation(name: str, model, heads, outputs, collect, ridge: float):
     raise ValueError(name)
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="minilm-causal")
     ap.add_argument("--targets", default="0.1,0.25,0.4,0.5")
@@ -88,12 +94,16 @@ def main() -> None:
     ap.add_argument("--budget", default="global")
     ap.add_argument("--out", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
     torch.set_num_threads(args.threads)
     t0 = time.time()
     encoder = args.model == "minilm"
-    model = models.load_base(ModelSpec(path=args.model, mlm_readout="shipped" if encoder else None))
-    tok = models.load_tokenizer(args.model)
+    model = loading.load_base(ModelSpec(path=args.model, mlm_readout="shipped" if encoder else None))
+    tok = loading.load_tokenizer(args.model)
     scorers = args.scorers.split(",")
     if encoder:
         cal = data.samples(tok, texts(CAL_PLAYS), "lines", 64, num_samples=256, seed=0)
@@ -142,15 +152,10 @@ def main() -> None:
 
 
 def print_table(records: list[dict], targets: list[float]) -> None:
-    print("\n| scorer | compensation | " + " | ".join(f"{t:g}" for t in targets) + " |")
-    print("|---|---|" + "---|" * len(targets))
     cell = {(r["scorer"], r["compensation"], r["target"]): r for r in records}
-    for s in dict.fromkeys(r["scorer"] for r in records):
-        for c in dict.fromkeys(r["compensation"] for r in records):
-            row = [cell.get((s, c, t)) for t in targets]
-            print(f"| {s} | {c} | " + " | ".join(
-                "n/a" if r is None else f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
-                for r in row) + " |")
+    rows = [[s, c] + [change_cell(cell.get((s, c, t))) for t in targets]
+            for s in dict.fromkeys(r["scorer"] for r in records) for c in dict.fromkeys(r["compensation"] for r in records)]
+    print("\n" + markdown_table(["scorer", "compensation"] + [f"{t:g}" for t in targets], rows))
 
 
 if __name__ == "__main__":

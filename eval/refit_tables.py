@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from pruner.core.tables import change_cell, markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS = ("sink-aware", "refit-energy")  # not baselines
 TARGETS = (0.25, 0.4, 0.5)
@@ -25,33 +27,29 @@ def load(recipe: str) -> dict:
     return {(r["scorer"], r["sparsity"], r["compensation"]): r for r in records if "error" not in r}
 
 
-def fmt(r: dict | None) -> str:
-    return "n/a" if r is None else f"{r['delta']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
-
-
 def checks(cell: dict, scorer: str, comp: str) -> None:
     baselines = sorted({s for s, _, _ in cell} - set(OURS))
     print(f"\n1. refit vs mean (perplexity change [95% CI]); target: refit <= mean\n")
-    print("| scorer | compensation | " + " | ".join(f"{t:g}" for t in TARGETS) + " |")
-    print("|---|---|" + "---|" * len(TARGETS))
+    rows = []
     for s in dict.fromkeys([scorer, "fluctuation"]):
-        for c in ("mean", "refit"):
-            print(f"| {s} | {c} | " + " | ".join(fmt(cell.get((s, t, c))) for t in TARGETS) + " |")
+        rows += [[s, c] + [change_cell(cell.get((s, t, c))) for t in TARGETS] for c in ("mean", "refit")]
         ok = [cell[(s, t, "refit")]["delta"] <= cell[(s, t, "mean")]["delta"] for t in TARGETS
               if (s, t, "refit") in cell and (s, t, "mean") in cell]
-        print(f"| {s} | refit <= mean? | " + " | ".join("yes" if x else "**no**" for x in ok) + " |")
+        rows.append([s, "refit <= mean?"] + ["yes" if x else "**no**" for x in ok])
+    print(markdown_table(["scorer", "compensation"] + [f"{t:g}" for t in TARGETS], rows))
     print(f"\n2. default pair `{scorer}` + `{comp}` vs 1/4 of the best baseline's zero-ablation increase\n")
-    print("| sparsity | default pair | best baseline, zero | 1/4 of it | met? |\n|---|---|---|---|---|")
+    rows = []
     for t in TARGETS:
         mine = cell.get((scorer, t, comp))
         zeros = [(cell[(b, t, "zero")]["delta"], b) for b in baselines if (b, t, "zero") in cell]
         if mine is None or not zeros:
             continue
         best, name = min(zeros)
-        print(f"| {t:g} | {fmt(mine)} | {best:+.2f} ({name}) | {best / 4:+.2f} | "
-              f"{'yes' if mine['delta'] <= best / 4 else '**no**'} |")
+        rows.append([f"{t:g}", change_cell(mine), f"{best:+.2f} ({name})", f"{best / 4:+.2f}",
+                     "yes" if mine["delta"] <= best / 4 else "**no**"])
+    print(markdown_table(["sparsity", "default pair", "best baseline, zero", "1/4 of it", "met?"], rows))
     print(f"\n3. default pair vs every baseline with `{comp}` compensation (target: no worse than any)\n")
-    print("| sparsity | default pair | best baseline with the same compensation | met? |\n|---|---|---|---|")
+    rows = []
     for t in TARGETS:
         mine = cell.get((scorer, t, comp))
         others = [(cell[(b, t, comp)]["delta"], b) for b in baselines if (b, t, comp) in cell]
@@ -61,21 +59,22 @@ def checks(cell: dict, scorer: str, comp: str) -> None:
         r = cell[(name, t, comp)]
         gap = mine["delta"] - best
         verdict = "yes" if gap <= 0 else f"**no** (by {gap:.2f})"
-        print(f"| {t:g} | {fmt(mine)} | {name}: {fmt(r)} | {verdict} |")
+        rows.append([f"{t:g}", change_cell(mine), f"{name}: {change_cell(r)}", verdict])
+    print(markdown_table(["sparsity", "default pair", "best baseline with the same compensation", "met?"], rows))
 
 
 def best_compensation(recipe: str, cell: dict) -> None:
     sparsities = sorted({t for _, t, _ in cell})
     print(f"\n{recipe}: each scorer's change under zero / mean / refit (the smallest in bold)\n")
-    print("| scorer | " + " | ".join(f"{t:g}" for t in sparsities) + " |")
-    print("|---|" + "---|" * len(sparsities))
+    rows = []
     for s in dict.fromkeys(s for s, _, _ in cell):
         row = []
         for t in sparsities:
             vals = {c: cell[(s, t, c)]["delta"] for c in ("zero", "mean", "refit") if (s, t, c) in cell}
             lo = min(vals.values()) if vals else None
             row.append(" / ".join((f"**{v:+.2f}**" if v == lo else f"{v:+.2f}") for v in vals.values()))
-        print(f"| {s} | " + " | ".join(row) + " |")
+        rows.append([s] + row)
+    print(markdown_table(["scorer"] + [f"{t:g}" for t in sparsities], rows))
 
 
 def main() -> None:

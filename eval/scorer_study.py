@@ -11,20 +11,18 @@ scoped masks, and printed as a table of perplexity changes.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pruner import arch, assets, data, models, surgery  # noqa: E402
-from pruner.calibrate import calibrate  # noqa: E402
-from pruner.capture import CaptureConfig  # noqa: E402
-from pruner.perplexity import paired_delta, sliding_windows, window_nll  # noqa: E402
-from pruner.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact  # noqa: E402
-from pruner.selection import SelectionConfig, select  # noqa: E402
-from pruner.sinks import SinkSpec  # noqa: E402
+from pruner.attention.capture import CaptureConfig
+from pruner.attention.sinks import SinkSpec
+from pruner.checkpoints import loading
+from pruner.core import arch, assets, data
+from pruner.evaluation.perplexity import paired_delta, sliding_windows, window_nll
+from pruner.pruning import surgery
+from pruner.pruning.calibrate import calibrate
+from pruner.pruning.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact
+from pruner.pruning.selection import SelectionConfig, select
 
 CAL_PLAYS = ("othello", "as_you_like_it")
 DEV_PLAYS = ("henry_v", "winters_tale")
@@ -38,75 +36,93 @@ RESID: torch.Tensor | None = None  # (layer,) mean squared norm of the residual 
 
 
 def residual_energy(model, batch) -> torch.Tensor:
-    from pruner.models import forward
+    from pruner.core.runtime import forward
 
     with torch.no_grad():
         hs = forward(model, batch.input_ids, batch.attention_mask, output_hidden_states=True).hidden_states
     return torch.stack([h.double().pow(2).sum(-1).mean() for h in hs[:-1]])
 
 
+# --- candidate sink-aware scores (importance, higher = keep) ---------------------------------------
+
+def energy(inp, alive, conv):
+    return fluctuation_exact(inp)["o"]
+
+
+def content_only(inp, alive, conv):
+    f = fluctuation_exact(inp)
+    return f["w"]
+
+
+def redundancy_discount(inp, alive, conv):
+    rho = _max_similarity(inp.stats.pairs["cosine/content"], alive)
+    return fluctuation_exact(inp)["o"] * (1 - rho ** 2)
+
+
+def rel_layer(inp, alive, conv):
+    f = fluctuation_exact(inp)["o"]
+    return f / f.sum(-1, keepdim=True)
+
+
+def content_weight(inp, alive, conv):
+    return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass)
+
+
+def rel_resid(inp, alive, conv):
+    return fluctuation_exact(inp)["o"] / RESID[:, None]
+
+
+def content_rel_resid(inp, alive, conv):
+    return fluctuation_exact(inp)["w"] / RESID[:, None]
+
+
+def split_half(inp, alive, conv):
+    f = fluctuation_exact(inp)
+    return f["w"] + 0.5 * f["u"]
+
+
+def flap_content_weight(inp, alive, conv):
+    return SCORERS["fluctuation"](inp, alive) * (1 - inp.stats.sink_mass)
+
+
+def content_x_content_weight(inp, alive, conv):
+    return fluctuation_exact(inp)["w"] * (1 - inp.stats.sink_mass)
+
+
+def exact_x_sq(inp, alive, conv):
+    return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass) ** 2
+
+
+def flap_of(inp, key):
+    rows = []
+    for m, g in zip(inp.stats.outputs, inp.gram):
+        mean = getattr(m, key) / m.tokens
+        var = torch.diagonal(getattr(m, key + key), dim1=-2, dim2=-1) / m.tokens - mean ** 2
+        rows.append((var * torch.diagonal(g, dim1=-2, dim2=-1)).sum(-1))
+    return torch.stack(rows)
+
+
+def flap_w(inp, alive, conv):
+    return flap_of(inp, "w")
+
+
+def flap_sqrt(inp, alive, conv):
+    return flap_of(inp, "o") * (1 - inp.stats.sink_mass).sqrt()
+
+
+def flap_w_plus_u(inp, alive, conv):
+    return flap_of(inp, "w") + flap_of(inp, "u") * (1 - inp.stats.sink_mass)
+
+
+def joint(inp, alive, conv, weight=None):
+    k = inp.cross
+    pruned = (~alive).double()  # (L, H)
+    marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
+    return marginal if weight is None else marginal * weight(inp)
+
+
 def variants() -> dict[str, Scorer]:
     """Candidate sink-aware scores (importance, higher = keep)."""
-    def energy(inp, alive, conv):
-        return fluctuation_exact(inp)["o"]
-
-    def content_only(inp, alive, conv):
-        f = fluctuation_exact(inp)
-        return f["w"]
-
-    def redundancy_discount(inp, alive, conv):
-        rho = _max_similarity(inp.stats.pairs["cosine/content"], alive)
-        return fluctuation_exact(inp)["o"] * (1 - rho ** 2)
-
-    def rel_layer(inp, alive, conv):
-        f = fluctuation_exact(inp)["o"]
-        return f / f.sum(-1, keepdim=True)
-
-    def content_weight(inp, alive, conv):
-        return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass)
-
-    def rel_resid(inp, alive, conv):
-        return fluctuation_exact(inp)["o"] / RESID[:, None]
-
-    def content_rel_resid(inp, alive, conv):
-        return fluctuation_exact(inp)["w"] / RESID[:, None]
-
-    def split_half(inp, alive, conv):
-        f = fluctuation_exact(inp)
-        return f["w"] + 0.5 * f["u"]
-
-    def flap_content_weight(inp, alive, conv):
-        return SCORERS["fluctuation"](inp, alive) * (1 - inp.stats.sink_mass)
-
-    def content_x_content_weight(inp, alive, conv):
-        return fluctuation_exact(inp)["w"] * (1 - inp.stats.sink_mass)
-
-    def exact_x_sq(inp, alive, conv):
-        return fluctuation_exact(inp)["o"] * (1 - inp.stats.sink_mass) ** 2
-
-    def flap_of(inp, key):
-        rows = []
-        for m, g in zip(inp.stats.outputs, inp.gram):
-            mean = getattr(m, key) / m.tokens
-            var = torch.diagonal(getattr(m, key + key), dim1=-2, dim2=-1) / m.tokens - mean ** 2
-            rows.append((var * torch.diagonal(g, dim1=-2, dim2=-1)).sum(-1))
-        return torch.stack(rows)
-
-    def flap_w(inp, alive, conv):
-        return flap_of(inp, "w")
-
-    def flap_sqrt(inp, alive, conv):
-        return flap_of(inp, "o") * (1 - inp.stats.sink_mass).sqrt()
-
-    def flap_w_plus_u(inp, alive, conv):
-        return flap_of(inp, "w") + flap_of(inp, "u") * (1 - inp.stats.sink_mass)
-
-    def joint(inp, alive, conv, weight=None):
-        k = inp.cross
-        pruned = (~alive).double()  # (L, H)
-        marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
-        return marginal if weight is None else marginal * weight(inp)
-
     return {
         "joint-x-(1-s)/resid": Scorer("joint-x-(1-s)/resid", lambda i, a, c: joint(
             i, a, c, lambda x: (1 - x.stats.sink_mass) / RESID[:, None]), adaptive=True),
@@ -140,7 +156,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated subset of scorer names")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    model, tok = models.load_model(args.model), models.load_tokenizer(args.model)
+    model, tok = loading.load_model(args.model), loading.load_tokenizer(args.model)
     cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
     dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
     inputs = calibrate(model, cal, SinkSpec("first"), tok, gradient="gradient" in args.baselines,

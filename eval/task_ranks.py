@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pruner.report import markdown_table  # noqa: E402
+from pruner.core.tables import markdown_table
 
 
 def main() -> None:

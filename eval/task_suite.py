@@ -15,17 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pruner.checkpoints import loading
+from pruner.core import arch
+from pruner.core.tables import change_cell, markdown_table
+from pruner.evaluation import tasks
+from pruner.pruning import surgery
 
-from pruner import arch, models, surgery, tasks  # noqa: E402
-from pruner.report import markdown_table  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHANCE = {"shakespeare_cloze": 0.25, "shakespeare_recall": 0.25, "shakespeare_order": 0.5, "shakespeare_speech": 0.5}
 
@@ -51,7 +52,7 @@ def mean_scores(runs: list[dict[str, tasks.TaskScores]]) -> dict[str, tasks.Task
 
 def study(name: str, limit: int | None, seeds: int, batch_size: int) -> list[dict]:
     encoder = name == "minilm"
-    model, tok = models.load_model(name), models.load_tokenizer(name)
+    model, tok = loading.load_model(name), loading.load_tokenizer(name)
     names = ("shakespeare_speech",) if encoder else ("shakespeare_cloze", "shakespeare_recall", "shakespeare_order")
     ds = tasks.Downstream(model, tok, tasks.TaskSpec(names, limit=limit, batch_size=batch_size), causal=not encoder)
     t0 = time.time()
@@ -74,7 +75,7 @@ def table(rows: list[dict]) -> str:
     return markdown_table(
         ["model", "task", "metric", "documents", "chance", "base", "damaged", "change [95% CI]"],
         [[r["model"], r["task"], r["metric"], r["docs"], f"{r['chance']:.2f}", f"{r['base']:.3f}", f"{r['pruned']:.3f}",
-          f"{r['delta']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"] for r in rows])
+          change_cell(r, 3)] for r in rows])
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -38,12 +37,17 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pruner.attention.eager import eager_sink_mass
+from pruner.core import assets
+from pruner.core.data import (
+    TextSource,
+    TokenBatch,
+    line_samples,
+    load_texts,
+    token_windows,
+)
 
-from pruner import assets  # noqa: E402
-from pruner.data import TextSource, TokenBatch, line_samples, load_texts, token_windows  # noqa: E402
-from pruner.eager import eager_sink_mass  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = Path(__file__).with_name("reference.yaml")
 SINK_FROM_QUERY = 16  # sink mass is measured at query positions >= this
@@ -324,9 +328,15 @@ def train_minilm_causal(settings: dict, out_root: Path) -> None:
 
 
 def train_minilm_readout(settings: dict, out_root: Path) -> None:
-    from pruner.models import MINILM_READOUT_FILE, TIED_READOUT_KEYS, load_minilm_mlm, mask_tokens
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
+
+    from pruner.checkpoints.loading import (
+        MINILM_READOUT_FILE,
+        TIED_READOUT_KEYS,
+        load_minilm_mlm,
+    )
+    from pruner.core.data import mask_tokens
 
     cfg = settings["minilm_readout"]
     tok = AutoTokenizer.from_pretrained(assets.minilm())
@@ -363,7 +373,7 @@ def train_minilm_readout(settings: dict, out_root: Path) -> None:
 
 @torch.no_grad()
 def masked_perplexity(model, ev, tok, mask_prob: float, seed: int, batch_size: int = 64) -> float:
-    from pruner.models import mask_tokens
+    from pruner.core.data import mask_tokens
 
     model.eval()
     g = torch.Generator().manual_seed(seed)

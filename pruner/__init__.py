@@ -8,7 +8,7 @@ The public Python API (see the README's "Python" section); everything else is in
 Imported lazily, so `import pruner` and `pruner --help` stay fast.
 """
 
-__version__ = "0.1.0"
+from pruner.core.version import __version__  # noqa: F401  (re-exported)
 
 __all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
            "Plan", "Result", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pruner import __version__
 from pruner.commands import analyze, bench, compare, evaluate, export, prune, sinks
-from pruner.redact import redact
+from pruner.core.redact import redact
+from pruner.core.version import __version__
 
 COMMANDS = (sinks, analyze, prune, compare, evaluate, export, bench)  # the order `pruner --help` lists them in
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _kept(e: BaseException) -> str:
     """Where a failed run's checkpoints were kept (`report.atomic_dir`), if they were."""
-    from pruner.resume import ResumeError
+    from pruner.core.resume import ResumeError
 
     kept = getattr(e, "pruner_partial", None)
     if kept is None or isinstance(e, ResumeError):

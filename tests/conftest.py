@@ -29,6 +29,6 @@ def word_tokenizer():
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    from pruner import assets
+    from pruner.core import assets
 
     return AutoTokenizer.from_pretrained(assets.minilm())

@@ -11,27 +11,26 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict
-
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # tiny.py, and this checkout's pruner
 
 
 def main() -> None:
     torch.set_num_threads(1)
     from tiny import ragged_batch, tiny_model
 
-    from pruner import arch, distributed, surgery
-    from pruner.calibrate import calibrate
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.data import pad
-    from pruner.perplexity import EvalWindows, window_nll
-    from pruner.scoring import get_scorer
-    from pruner.selection import SelectionConfig, select
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core import arch, distributed
+    from pruner.core.data import pad
+    from pruner.evaluation.perplexity import EvalWindows, window_nll
+    from pruner.pruning import surgery
+    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.scoring import get_scorer
+    from pruner.pruning.selection import SelectionConfig, select
 
     out = {}
     for family in ("gpt2", "llama"):

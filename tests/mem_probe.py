@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-
 
 def _status_mib(key: str) -> float:
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
@@ -28,10 +26,10 @@ def main() -> None:
     torch.set_num_threads(1)
     import transformers as tf
 
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.data import TokenBatch
-    from pruner.eager import eager_stats
-    from pruner.sinks import SinkSpec
+    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.eager import eager_stats
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.data import TokenBatch
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16,

@@ -7,15 +7,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
-from pruner import analysis, audit
-from pruner import composition as cp
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.models import forward
-from pruner.sinks import SinkSpec, sink_mask
 from tiny import CAUSAL, ragged_batch, tiny_model
 
+from pruner.analysis import convention as analysis
+from pruner.analysis import flips as audit
+from pruner.attention import composition as cp
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec, sink_mask
+from pruner.core import runtime
+from pruner.core.data import pad
+from pruner.core.runtime import forward
 
 # --------------------------------------------------------------------------- unit: flip rates
 
@@ -222,15 +223,15 @@ def test_entropy_attribution_adds_up_between_paired_states():
 @pytest.mark.integration
 def test_minilm_causal_init_is_the_encoder_run_causally():
     """The `before` state of minilm-causal: all-MiniLM-L6-v2's own weights, causal attention, same tokenizer."""
-    from pruner import models
+    from pruner.checkpoints import loading
 
-    init, enc = models.load_model("minilm-causal-init"), models.load_model("minilm")
-    assert type(init).__name__ == "BertLMHeadModel" and models.attends_causally(init)
-    assert not models.attends_causally(enc)
+    init, enc = loading.load_model("minilm-causal-init"), loading.load_model("minilm")
+    assert type(init).__name__ == "BertLMHeadModel" and runtime.attends_causally(init)
+    assert not runtime.attends_causally(enc)
     enc_w = enc.state_dict()
     for name, w in init.bert.state_dict().items():
         torch.testing.assert_close(w, enc_w[name], rtol=0, atol=0, msg=name)
-    again = models.load_model("minilm-causal-init")  # the untrained LM-head transform is seeded
+    again = loading.load_model("minilm-causal-init")  # the untrained LM-head transform is seeded
     assert torch.equal(again.cls.predictions.transform.dense.weight, init.cls.predictions.transform.dense.weight)
-    vocab = models.load_tokenizer("minilm-causal-init").get_vocab()
-    assert vocab == models.load_tokenizer("minilm-causal").get_vocab()
+    vocab = loading.load_tokenizer("minilm-causal-init").get_vocab()
+    assert vocab == loading.load_tokenizer("minilm-causal").get_vocab()

@@ -25,7 +25,7 @@ def llama_in_memory():
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from pruner import assets
+    from pruner.core import assets
 
     folder = assets.checkpoint("llama-shakespeare")
     config = AutoConfig.from_pretrained(folder)
@@ -80,7 +80,7 @@ def test_plan_then_apply_equals_prune():
 
 def test_apply_refit_keeps_a_vanilla_llama():
     """Refit compensation from the plan's calibration: plain weights, no attention_bias, mask == remove."""
-    from pruner import surgery
+    from pruner.pruning import surgery
 
     model, tok = llama_in_memory()
     plan = pruner.plan(model, tok, "shakespeare:calibration", target=0.5, budget="layer", **QUICK)
@@ -99,7 +99,7 @@ def test_apply_refit_keeps_a_vanilla_llama():
 
 def test_texts_in_memory_are_calibration_data():
     """A list of strings is the calibration text; the same text as a source gives the same plan."""
-    from pruner import data
+    from pruner.core import data
 
     model, tok = llama_in_memory()
     texts = data.load_texts(data.TextSource("shakespeare:calibration"))

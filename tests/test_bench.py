@@ -1,15 +1,16 @@
-"""What pruning buys (pruner.bench): exact figures equal their analytic ideal; timing is only run, never asserted."""
+"""What pruning buys (pruner.evaluation.bench): exact figures equal their analytic ideal; timing is only run, never asserted."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner import bench, ideal, surgery
-from pruner.selection import SelectionConfig, SelectionError
 from tiny import tiny_model
 
-QUICK = bench.BenchConfig(lengths=(12,), decode=((2, 10),), new_tokens=3, repeats=1)
+from pruner.evaluation import bench, ideal, timing
+from pruner.pruning import surgery
+from pruner.pruning.selection import SelectionConfig, SelectionError
+
+QUICK = timing.BenchConfig(lengths=(12,), decode=((2, 10),), new_tokens=3, repeats=1)
 
 
 @pytest.mark.unit
@@ -32,11 +33,11 @@ def test_shape_math_by_hand():
 @pytest.mark.unit
 def test_config_rejects_what_cannot_run():
     with pytest.raises(ValueError, match="new_tokens"):
-        bench.BenchConfig(new_tokens=1)
+        timing.BenchConfig(new_tokens=1)
     with pytest.raises(ValueError, match="nothing to time"):
-        bench.BenchConfig(lengths=(), decode=())
+        timing.BenchConfig(lengths=(), decode=())
     with pytest.raises(ValueError, match=">= 1"):
-        bench.BenchConfig(decode=((0, 8),))
+        timing.BenchConfig(decode=((0, 8),))
 
 
 PLANS = [("layer", "equal", 0.5), ("layer", "group", 0.5), ("global", "equal", 0.25),
@@ -53,7 +54,7 @@ def test_parameter_and_kv_savings_equal_the_ideal(budget, gqa, target):
     res = bench.bench(base, pruned, QUICK)
     params, kv = res.figure("parameters"), res.figure("KV cache")
     assert params.pruned < params.base and params.saving == params.ideal
-    shape = bench.shape_of(base, surgery.kept_heads(pruned))
+    shape = ideal.shape_of(base, surgery.kept_heads(pruned))
     assert params.pruned == shape.params
     assert kv.pruned == ideal.kv_bytes_per_token(shape) and kv.saving == kv.ideal
     assert (kv.saving > 0) == (gqa == "group")  # equal heads per group keep every KV head
@@ -102,7 +103,7 @@ def test_positions_cap_lengths_and_prompts():
     """GPT-2's 128-position table: a 512-token prefill becomes 128; a decode prompt leaves room for the new tokens."""
     base = tiny_model("gpt2")
     res = bench.bench(base, bench.compact_copy(base, {0: [1]}),
-                      bench.BenchConfig(lengths=(512,), decode=((1, 500),), new_tokens=4, repeats=1))
+                      timing.BenchConfig(lengths=(512,), decode=((1, 500),), new_tokens=4, repeats=1))
     names = [f.name for f in res.figures]
     assert "prefill T=128" in names and "decode batch 1, prompt 123" in names
     assert res.conditions["lengths"] == [128] and res.conditions["decode"] == [[1, 123]]
@@ -121,10 +122,11 @@ def test_weight_plan_respects_gqa_units():
 
 @pytest.mark.unit
 def test_recipe_bench_section():
-    from pruner.recipe import RecipeError, load_recipe
+    from pruner.runs.recipe import RecipeError
+    from pruner.runs.recipe_io import load_recipe
 
     r = load_recipe({"model": {"path": "x"}}, ["bench.decode=[[2, 30]]", "bench.repeats=5"])
-    assert bench.config_of(r.bench) == bench.BenchConfig(lengths=(128, 512), decode=((2, 30),), new_tokens=32,
+    assert bench.config_of(r.bench) == timing.BenchConfig(lengths=(128, 512), decode=((2, 30),), new_tokens=32,
                                                          repeats=5)
     with pytest.raises(RecipeError, match="bench.decode"):
         load_recipe({"model": {"path": "x"}, "bench": {"decode": [[1, 8, 3]]}})
@@ -183,15 +185,3 @@ def test_bench_command_measures_a_run(tmp_path, capsys):
     assert "| figure |" in (run / "bench.md").read_text() and "wrote" in capsys.readouterr().out
     assert main(["bench", str(run), "--decode", "8by2"]) == 2
     assert "BATCHxPROMPT" in capsys.readouterr().err
-
-
-@pytest.mark.integration
-def test_run_section_prefers_the_full_measurement(tmp_path):
-    import json
-
-    base = tiny_model("gpt2")
-    quick = bench.bench(base, bench.compact_copy(base, {0: [1]}), QUICK).to_dict()
-    assert bench.run_section(tmp_path, {}) is None
-    assert "`pruner prune`" in bench.run_section(tmp_path, {"bench": quick})
-    (tmp_path / "bench.json").write_text(json.dumps(quick))
-    assert bench.run_section(tmp_path, {"bench": quick}).startswith("Measured by `pruner bench`")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner import stats as st
-from pruner.capture import Capture, CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.eager import eager_stats
-from pruner.sinks import SinkSpec
 from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+
+from pruner.attention import sums
+from pruner.attention.capture import Capture, CaptureConfig, capture_stats
+from pruner.attention.eager import eager_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core.data import pad
 
 pytestmark = pytest.mark.integration
 FIELDS = ("sink_mass", "entropy_full", "entropy_content", "dormancy", "g", "rest", "h_content_weighted",
@@ -18,7 +18,7 @@ FIELDS = ("sink_mass", "entropy_full", "entropy_content", "dormancy", "g", "rest
 METRICS = ("cosine", "js", "hellinger", "tv")
 
 
-def assert_stats_close(a: st.HeadStats, b: st.HeadStats, atol: float):
+def assert_stats_close(a: sums.HeadStats, b: sums.HeadStats, atol: float):
     for f in FIELDS:
         torch.testing.assert_close(getattr(a, f), getattr(b, f), rtol=0, atol=atol, msg=f)
     assert a.pairs.keys() == b.pairs.keys()
@@ -60,7 +60,7 @@ def _final_hidden_under_capture(model, batch, spec, config):
 def test_fused_attention_keeps_the_models_outputs(family):
     """Capture computes each layer's output from the statistics' own softmax; the model continues
     with it, so its hidden states and logits must equal the plain (SDPA) model's at every real token."""
-    from pruner.models import forward
+    from pruner.core.runtime import forward
 
     model = tiny_model(family)
     batch = pad(ragged_batch(seed=7), pad_id=0, side="left" if family in CAUSAL else "right")
@@ -82,7 +82,7 @@ def test_fused_attention_keeps_the_models_outputs(family):
 def test_fused_attention_in_bfloat16_is_as_close_to_float32_as_sdpa(fam):
     """bfloat16 models: scores in float32, output back in bfloat16. The hidden states under capture
     differ from the float32 model's no more than bfloat16 SDPA's do (bfloat16 rounding, not capture)."""
-    from pruner.models import forward
+    from pruner.core.runtime import forward
 
     batch = pad(ragged_batch(seed=8), pad_id=0)
     keep = batch.attention_mask.bool()
@@ -109,7 +109,7 @@ def test_capture_restores_implementation_on_error():
 def test_capture_does_not_change_outputs():
     model = tiny_model("gpt2")
     batch = pad(ragged_batch(), pad_id=0)
-    from pruner.models import forward
+    from pruner.core.runtime import forward
 
     before = forward(model, batch.input_ids, batch.attention_mask).logits
     with Capture(model, SinkSpec("first")) as cap:
@@ -146,7 +146,7 @@ def test_merging_two_halves_equals_one_pass():
         with Capture(model, spec, config=CaptureConfig(metrics=METRICS)) as c:
             c.run(pad(part, 0))
         halves.append(c.layers)
-    merged = st.finalize([halves[0][i] + halves[1][i] for i in sorted(halves[0])])
+    merged = sums.finalize([halves[0][i] + halves[1][i] for i in sorted(halves[0])])
     assert_stats_close(merged, one.result(), atol=1e-9)
 
 
@@ -161,11 +161,11 @@ def test_rows_with_too_few_content_keys_are_excluded_and_counted():
 
 def test_auto_sinks_find_the_pretrained_sink_tokens(minilm_tokenizer):
     """all-MiniLM-L6-v2 parks attention on [CLS] at position 0: auto mode (eps 0.3) finds exactly it."""
-    from pruner import models
-    from pruner.capture import resolve_auto_sinks
-    from pruner.data import TextSource, line_samples, load_texts
+    from pruner.attention.capture import resolve_auto_sinks
+    from pruner.checkpoints import loading
+    from pruner.core.data import TextSource, line_samples, load_texts
 
-    model = models.load_model("minilm")
+    model = loading.load_model("minilm")
     batch = line_samples(minilm_tokenizer, load_texts(TextSource("shakespeare:calibration")), 32,
                          num_samples=48, seed=0, min_tokens=12)
     spec = resolve_auto_sinks(model, batch, minilm_tokenizer, eps=0.3)
@@ -176,8 +176,8 @@ def test_auto_sinks_find_the_pretrained_sink_tokens(minilm_tokenizer):
 
 def test_output_moments_match_the_attention_output():
     """o = u + w is exactly what the head writes into the output projection (its input slice)."""
-    from pruner import arch
-    from pruner.models import forward
+    from pruner.core import arch
+    from pruner.core.runtime import forward
 
     model = tiny_model("llama")
     samples = ragged_batch(seed=5, n=4)
@@ -203,10 +203,10 @@ def test_output_moments_match_the_attention_output():
 
 def test_cross_energy_is_the_exact_energy_of_pruning_sets():
     """sum_{h,g in P} K[h, g] equals E||sum_{h in P} W_h (o_h - E o_h)||^2 measured directly."""
-    from pruner import arch
-    from pruner.calibrate import calibrate
-    from pruner.models import forward
-    from pruner.scoring import fluctuation_exact
+    from pruner.core import arch
+    from pruner.core.runtime import forward
+    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.scoring import fluctuation_exact
 
     model = tiny_model("gpt2")
     batch = pad(ragged_batch(seed=6, n=5), 0)
@@ -230,7 +230,7 @@ def test_cross_energy_is_the_exact_energy_of_pruning_sets():
 
 
 def test_residual_energy_is_the_mean_squared_stream_norm():
-    from pruner.models import forward
+    from pruner.core.runtime import forward
 
     model = tiny_model("llama")
     batch = pad(ragged_batch(seed=11, n=4), 0)

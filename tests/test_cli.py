@@ -50,7 +50,7 @@ def test_prune_writes_a_complete_run(tmp_path, capsys):
     # the saved model is the compact one (remove mode; the global budget's uneven layers: per-layer form),
     # smaller than the base, and it reloads with pruner.load with the pruned heads gone
     import pruner
-    from pruner.models import resolve
+    from pruner.core.assets import resolve
 
     assert (metrics["surgery"], metrics["model_layout"]) == ("remove", "per-layer")
     model = pruner.load(out / "model")
@@ -113,9 +113,9 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
     perplexity on the evaluation windows is the one measured with the scoped mask."""
     from transformers import AutoModelForCausalLM
 
-    from pruner import models
-    from pruner.perplexity import perplexity, sliding_windows, window_nll
-    from pruner.data import TextSource, load_texts
+    from pruner.checkpoints import loading
+    from pruner.core.data import TextSource, load_texts
+    from pruner.evaluation.perplexity import perplexity, sliding_windows, window_nll
 
     out = tmp_path / "llama"
     half = QUICK + ["--set", "selection.target=0.5"]  # 4 of 8 heads per layer: 256 / 4 divides
@@ -124,7 +124,7 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
     assert metrics["params_after"] < metrics["params_before"] and metrics["model_saved"]
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert model.config.num_attention_heads == 4 and model.config.num_key_value_heads == 2
-    tok = models.load_tokenizer(str(out / "model"))
+    tok = loading.load_tokenizer(str(out / "model"))
     windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 128, max_windows=8)
     ppl = perplexity(*window_nll(model, windows))
     assert ppl == pytest.approx(metrics["evaluation"]["pruned"], rel=1e-4)
@@ -133,15 +133,15 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
 def test_prune_remove_saves_the_per_layer_form_when_no_vanilla_config_can(tmp_path, capsys):
     """6 of 8 heads per layer: transformers' Llama config requires hidden_size % heads == 0, so model/ is the
     per-layer compact checkpoint, which pruner loads without remote code."""
-    from pruner import compact
-
     out = tmp_path / "llama6"
     assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + QUICK) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["model_saved"] is True and "model not saved" not in capsys.readouterr().out
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_attention_heads_per_layer"] == [6, 6, 6, 6] and config["num_attention_heads"] == 8
-    model = compact.load(out / "model")
+    from pruner.checkpoints import loading
+
+    model = loading.load(out / "model")
     assert sum(p.numel() for p in model.parameters()) == metrics["params_after"]
 
 

@@ -2,7 +2,7 @@
 
 Every family of tests/tiny.py is pruned unevenly (GQA families lose a whole KV group
 in one layer and one head per group in the other), written, and reloaded by each
-route a user has -- transformers with trust_remote_code=True, `compact.load` (pruner's
+route a user has -- transformers with trust_remote_code=True, `loading.load` (pruner's
 own packaged classes), plain transformers for vanilla checkpoints -- and compared
 with the in-memory pruned model here, independently of the check `save` runs itself:
 logits on a padded ragged batch within 1e-5, identical greedy generations with the
@@ -18,13 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-
-from pruner import arch, compact, modeling, models, surgery
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.models import forward
-from pruner.sinks import SinkSpec
 from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.checkpoints import layout as forms
+from pruner.checkpoints import loading, modeling, saving, storage
+from pruner.core import arch, assets
+from pruner.core.data import pad
+from pruner.core.runtime import forward
+from pruner.pruning import surgery
 
 pytestmark = pytest.mark.integration
 GQA = ("llama", "mistral", "qwen2", "qwen3")
@@ -71,7 +74,7 @@ def family(request):
 
 def test_every_family_writes_a_per_layer_checkpoint_that_reloads_exactly(family, tmp_path, word_tokenizer):
     model = pruned(family)
-    saved = compact.save(model, word_tokenizer, tmp_path, removed=True)
+    saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
     assert saved.layout == "per-layer" and saved.max_diff <= 1e-5 and saved.dtype == "float32"
     assert saved.generation is (True if family in CAUSAL else None)
 
@@ -92,20 +95,20 @@ def test_every_family_writes_a_per_layer_checkpoint_that_reloads_exactly(family,
     ids = torch.tensor([[1, 5, 6, 7, 9]])
     want = logits(model, batch)
     auto = tf.AutoModelForCausalLM if family in CAUSAL else tf.AutoModel
-    for reloaded in (auto.from_pretrained(tmp_path, trust_remote_code=True), compact.load(tmp_path)):
+    for reloaded in (auto.from_pretrained(tmp_path, trust_remote_code=True), loading.load(tmp_path)):
         assert type(reloaded).__name__.startswith("Pruned")
         torch.testing.assert_close(logits(reloaded.eval(), batch), want, rtol=0, atol=1e-5)
         assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in model.parameters())
         if family in CAUSAL:
             assert torch.equal(greedy(reloaded, ids), greedy(model, ids))
-    assert type(compact.load(tmp_path)).__module__ == modeling.module(family).__name__  # pruner's own copy
+    assert type(loading.load(tmp_path)).__module__ == modeling.module(family).__name__  # pruner's own copy
 
 
 @pytest.mark.parametrize("family", GQA)
 def test_removed_kv_groups_shrink_the_projections_and_the_cache(family, tmp_path, word_tokenizer):
     model = pruned(family, {0: [0, 1]}, compensation=False)  # layer 0 keeps KV group 1 only
-    compact.save(model, word_tokenizer, tmp_path, removed=True)
-    reloaded = compact.load(tmp_path)
+    saving.save(model, word_tokenizer, tmp_path, removed=True)
+    reloaded = loading.load(tmp_path)
     attn = [block.self_attn for block in reloaded.model.layers]
     assert [a.k_proj.weight.shape[0] // a.head_dim for a in attn] == [1, 2]
     assert [a.num_key_value_groups for a in attn] == [2, 2]
@@ -122,7 +125,7 @@ def test_uniform_counts_give_a_vanilla_checkpoint(family, tmp_path, word_tokeniz
     model = pruned(family, {0: [1, 3], 1: [0, 2]}, compensation=False)
     if family == "qwen2":
         del model.config.head_dim  # as in real Qwen2 configs: head_dim derived from hidden_size / heads
-    saved = compact.save(model, word_tokenizer, tmp_path, removed=True)
+    saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
     assert saved.layout == "vanilla" and saved.why_per_layer is None
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == family and "auto_map" not in config and "pruner_format" not in config
@@ -131,7 +134,7 @@ def test_uniform_counts_give_a_vanilla_checkpoint(family, tmp_path, word_tokeniz
     batch = pad(ragged_batch(seed=5), 0)
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no remote code
     torch.testing.assert_close(logits(plain, batch), logits(model, batch), rtol=0, atol=1e-5)
-    assert type(compact.load(tmp_path)) is type(plain)
+    assert type(loading.load(tmp_path)) is type(plain)
 
 
 def test_a_head_count_the_config_rejects_is_per_layer(tmp_path, word_tokenizer):
@@ -141,7 +144,7 @@ def test_a_head_count_the_config_rejects_is_per_layer(tmp_path, word_tokenizer):
                                                head_dim=8, hidden_size=32, intermediate_size=64, vocab_size=64,
                                                architectures=["LlamaForCausalLM"])).eval()
     surgery.remove_heads(model, {0: [1], 1: [2]})
-    saved = compact.save(model, word_tokenizer, tmp_path, removed=True)
+    saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
     assert saved.layout == "per-layer" and "transformers rejects a llama config with 3 heads" in saved.why_per_layer
     assert json.loads((tmp_path / "config.json").read_text())["num_attention_heads"] == 4  # the base's, valid
 
@@ -149,12 +152,12 @@ def test_a_head_count_the_config_rejects_is_per_layer(tmp_path, word_tokenizer):
 def test_a_bias_the_config_cannot_declare_is_per_layer_and_dense_is_refused(tmp_path, word_tokenizer):
     """Mistral has no attention_bias switch: mean compensation's o_proj bias lives in the per-layer form."""
     model = pruned("mistral", {0: [0, 2], 1: [1, 3]})  # uniform counts, but a bias on both o_projs
-    with pytest.raises(compact.CheckpointError, match="cannot write a dense checkpoint.*--format compact"):
-        compact.layout(model, removed=False)
-    saved = compact.save(model, word_tokenizer, tmp_path, removed=True)
+    with pytest.raises(storage.CheckpointError, match="cannot write a dense checkpoint.*--format compact"):
+        forms.layout(model, removed=False)
+    saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
     assert saved.layout == "per-layer" and "mistral config cannot declare" in saved.why_per_layer
     assert json.loads((tmp_path / "config.json").read_text())["o_proj_bias_per_layer"] == [True, True]
-    reloaded = compact.load(tmp_path)
+    reloaded = loading.load(tmp_path)
     batch = pad(ragged_batch(seed=5), 0)
     torch.testing.assert_close(logits(reloaded, batch), logits(model, batch), rtol=0, atol=1e-5)
 
@@ -164,84 +167,84 @@ def test_float16_storage_is_checked_against_the_rounded_model(tmp_path, word_tok
     itself is measured and reported (storage_diff), never hidden in a loose tolerance."""
     model = pruned("llama")
     full, half = tmp_path / "full", tmp_path / "half"
-    compact.save(model, word_tokenizer, full, removed=True)
-    saved = compact.save(model, word_tokenizer, half, removed=True, dtype="float16")
+    saving.save(model, word_tokenizer, full, removed=True)
+    saved = saving.save(model, word_tokenizer, half, removed=True, dtype="float16")
     assert saved.dtype == "float16" and 0 < saved.storage_diff < 1e-2 and saved.max_diff <= 1e-5
     assert json.loads((half / "config.json").read_text())["dtype"] == "float16"
-    assert compact._safetensors_dtypes(compact.weight_files(half)).keys() == {"float16"}
+    assert storage._safetensors_dtypes(storage.weight_files(half)).keys() == {"float16"}
     assert (half / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
     assert next(model.parameters()).dtype == torch.float32  # the in-memory model is left as it was
     batch = pad(ragged_batch(seed=5), 0)
-    reloaded = compact.load(half, dtype="float32")
-    with compact.rounded_to(model, torch.float16):
+    reloaded = loading.load(half, dtype="float32")
+    with storage.rounded_to(model, torch.float16):
         torch.testing.assert_close(logits(reloaded, batch), logits(model, batch), rtol=0, atol=1e-5)
     assert (logits(reloaded, batch) - logits(model, batch)).abs().max() > 0  # rounding is real
 
 
 def test_storage_dtype_reads_the_weights_not_the_config(tmp_path):
     """The shipped checkpoints' config.json says float32; their weights are float16."""
-    from pruner.recipe import ModelSpec
+    from pruner.runs.recipe import ModelSpec
 
-    assert json.loads((Path(models.resolve("llama-shakespeare")) / "config.json").read_text())["dtype"] == "float32"
-    assert compact.storage_dtype(ModelSpec(path="llama-shakespeare")) == "float16"
+    assert json.loads((Path(assets.resolve("llama-shakespeare")) / "config.json").read_text())["dtype"] == "float32"
+    assert storage.storage_dtype(ModelSpec(path="llama-shakespeare")) == "float16"
     tiny_model("gpt2").to(torch.bfloat16).save_pretrained(tmp_path)
-    assert compact.storage_dtype(ModelSpec(path=str(tmp_path))) == "bfloat16"
+    assert storage.storage_dtype(ModelSpec(path=str(tmp_path))) == "bfloat16"
 
 
 def test_plain_transformers_without_trust_remote_code_is_refused_clearly(tmp_path, word_tokenizer):
-    compact.save(pruned("gpt2", compensation=False), word_tokenizer, tmp_path, removed=True)
+    saving.save(pruned("gpt2", compensation=False), word_tokenizer, tmp_path, removed=True)
     with pytest.raises(ValueError, match="(?s)contains custom code.*pass the argument `trust_remote_code=True`"):
         tf.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_pruner_loads_per_layer_checkpoints_without_running_the_folder_file(tmp_path, word_tokenizer):
     model = pruned("llama", compensation=False)
-    compact.save(model, word_tokenizer, tmp_path, removed=True)
+    saving.save(model, word_tokenizer, tmp_path, removed=True)
     file = tmp_path / modeling.file_name("llama")
     file.write_text('raise RuntimeError("the folder file was executed")\n' + file.read_text())
     batch = pad(ragged_batch(seed=5), 0)
-    for reloaded in (compact.load(tmp_path), models.load_model(str(tmp_path))):  # pruner's loader dispatches too
+    for reloaded in (loading.load(tmp_path), loading.load_model(str(tmp_path))):  # pruner's loader dispatches too
         torch.testing.assert_close(logits(reloaded, batch), logits(model, batch), rtol=0, atol=1e-5)
     with pytest.raises(RuntimeError, match="the folder file was executed"):
         tf.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
 
 
 def test_an_edited_config_is_one_clear_line(tmp_path, word_tokenizer):
-    compact.save(pruned("llama", compensation=False), word_tokenizer, tmp_path, removed=True)
+    saving.save(pruned("llama", compensation=False), word_tokenizer, tmp_path, removed=True)
     path = tmp_path / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps({**config, "num_attention_heads_per_layer": [4, 2]}))
-    with pytest.raises(compact.CheckpointError, match=r"config.json does not match the weights: "
+    with pytest.raises(storage.CheckpointError, match=r"config.json does not match the weights: "
                        r"model.layers.0.self_attn.o_proj.weight is \[32, 16\] in the checkpoint but \[32, 32\]"):
-        compact.load(tmp_path)
+        loading.load(tmp_path)
     path.write_text(json.dumps({**config, "num_key_value_heads_per_layer": [2, 2], "num_attention_heads_per_layer":
                                 [3, 2]}))
     with pytest.raises(ValueError, match="layer 0 has 3 query heads over 2 key/value heads"):
-        compact.load(tmp_path)
+        loading.load(tmp_path)
     path.write_text(json.dumps({**config, "pruner_format": "per-layer-heads/9"}))
     with pytest.raises(modeling.FormatError, match="'per-layer-heads/9' is not one this pruner reads"):
-        compact.load(tmp_path)
+        loading.load(tmp_path)
 
     vanilla = tmp_path / "vanilla"  # the same check guards vanilla compact checkpoints
-    compact.save(pruned("llama", {0: [0, 1], 1: [2, 3]}, compensation=False), word_tokenizer, vanilla, True)
+    saving.save(pruned("llama", {0: [0, 1], 1: [2, 3]}, compensation=False), word_tokenizer, vanilla, True)
     config = json.loads((vanilla / "config.json").read_text())
     (vanilla / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4, "num_key_value_heads": 2}))
-    with pytest.raises(compact.CheckpointError, match="config.json does not match the weights"):
-        compact.load(vanilla)
+    with pytest.raises(storage.CheckpointError, match="config.json does not match the weights"):
+        loading.load(vanilla)
 
 
 def test_foreign_remote_code_is_not_loaded(tmp_path):
     tiny_model("gpt2").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "modeling_x.X"}}))
-    with pytest.raises(compact.CheckpointError, match="not a pruner per-layer checkpoint"):
-        compact.load(tmp_path)
+    with pytest.raises(storage.CheckpointError, match="not a pruner per-layer checkpoint"):
+        loading.load(tmp_path)
 
 
 def test_pruner_does_not_score_a_per_layer_model(tmp_path, word_tokenizer):
-    compact.save(pruned("gpt2", compensation=False), word_tokenizer, tmp_path, removed=True)
+    saving.save(pruned("gpt2", compensation=False), word_tokenizer, tmp_path, removed=True)
     with pytest.raises(arch.UnsupportedArchitecture, match="per-layer checkpoint.*use its base model"):
-        arch.adapter_for(compact.load(tmp_path))
+        arch.adapter_for(loading.load(tmp_path))
 
 
 @pytest.mark.unit

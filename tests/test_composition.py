@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pruner import composition as cp
+from pruner.attention import composition as cp
 
 pytestmark = pytest.mark.unit
 TOL = dict(rtol=1e-9, atol=1e-12)

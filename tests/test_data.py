@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pruner import assets
-from pruner.data import DataError, TextSource, bos_token_id, line_samples, load_texts, pad, token_windows
+from pruner.core import assets
+from pruner.core.data import (
+    DataError,
+    TextSource,
+    bos_token_id,
+    line_samples,
+    load_texts,
+    pad,
+    token_windows,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pruner import compact, export, models, surgery
-from pruner.cli import main
 from tiny import tiny_model
+
+from pruner.checkpoints import loading
+from pruner.cli import main
+from pruner.core import assets, runtime
+from pruner.pruning import surgery
+from pruner.runs import export, folders
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,15 +82,15 @@ def reference(run_dir: Path, generate: bool = False):
     """The pruned model in memory by another code path: base + permanent mask + compensation, every
     parameter rounded to the export's storage dtype as the checkpoint stores it (the shipped bases are
     float16 already, so only the compensated output projections change). Logits (1, T, vocab) [, greedy tokens]."""
-    run = export.load_run(run_dir)
-    model = models.load_base(run.recipe.model)
-    ids = models.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
+    run = folders.load_run(run_dir)
+    model = loading.load_base(run.recipe.model)
+    ids = loading.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
     store = getattr(torch, export.storage_dtype(run))
     surgery.mask_heads(model, run.heads, run.compensation)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(store).float())
-        logits = models.forward(model, ids, torch.ones_like(ids)).logits
+        logits = runtime.forward(model, ids, torch.ones_like(ids)).logits
         return (logits, greedy(model, ids)) if generate else logits
 
 
@@ -106,15 +109,15 @@ def reloaded_logits(folder: Path, run_dir: Path, loader: str = "transformers"):
     per-layer checkpoint), or `loader="pruner"`: pruner's own loader (no code from the folder)."""
     from transformers import AutoModelForCausalLM
 
-    run = export.load_run(run_dir)
+    run = folders.load_run(run_dir)
     per_layer = "pruner_format" in json.loads((folder / "config.json").read_text())
     if loader == "pruner":
-        model = compact.load(folder, dtype="float32")
+        model = loading.load(folder, dtype="float32")
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=per_layer).eval()
-    ids = models.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
+    ids = loading.load_tokenizer(run.recipe.model.path)(TEXT, return_tensors="pt").input_ids
     with torch.no_grad():
-        return model, models.forward(model, ids, torch.ones_like(ids)).logits
+        return model, runtime.forward(model, ids, torch.ones_like(ids)).logits
 
 
 @pytest.mark.parametrize("name,fmt,layout", [
@@ -142,9 +145,9 @@ def test_export_reloads_with_the_pruned_logits(runs, name, fmt, layout, capsys):
         assert torch.equal(greedy(model, prompt), tokens), loader  # the KV cache path, token for token
 
     # mean compensation is in the checkpoint: o-proj bias = base bias + folded delta, stored in float16
-    run = export.load_run(run_dir)
+    run = folders.load_run(run_dir)
     layer = next(iter(run.heads))
-    base = models.load_base(run.recipe.model)
+    base = loading.load_base(run.recipe.model)
     ad = surgery.arch.adapter_for(base)  # (a per-layer model has no single geometry: paths from the base's adapter)
     o_new, o_old = (surgery.arch.get(surgery.arch.get(m.base_model, ad.layers)[layer], ad.o_proj)
                     for m in (model, base))
@@ -160,7 +163,7 @@ def test_export_reloads_with_the_pruned_logits(runs, name, fmt, layout, capsys):
         assert n_params == metrics["params_after"]
     if fmt == "compact":
         assert n_params < sum(p.numel() for p in base.parameters())
-        base_bytes = (Path(models.resolve(run.recipe.model.path)) / "model.safetensors").stat().st_size
+        base_bytes = (Path(assets.resolve(run.recipe.model.path)) / "model.safetensors").stat().st_size
         assert (out / "model.safetensors").stat().st_size < base_bytes  # smaller than the model it came from
     else:
         assert n_params >= sum(p.numel() for p in base.parameters())  # shapes kept (+ Llama's added biases)
@@ -176,7 +179,7 @@ def test_refit_export_reloads_with_vanilla_transformers_and_no_config_change(run
         assert main(["export", str(run_dir), "--format", fmt]) == 0
     model, got = reloaded_logits(out, run_dir)
     torch.testing.assert_close(got, reference_logits(run_dir), rtol=0, atol=1e-5)
-    run = export.load_run(run_dir)
+    run = folders.load_run(run_dir)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert run.compensation.kind == metrics["compensation"] == "refit" and set(run.compensation.weight) == \
         set(run.heads) == {int(k) for k in metrics["refit"]["layers"]}
@@ -243,10 +246,10 @@ def test_unequal_heads_per_layer_export_the_per_layer_form(runs, tmp_path, capsy
     plan = json.loads((run_dir / "plan.json").read_text())
     plan["heads"] = {"0": [0, 1, 4, 5]}  # layer 0 keeps 4 heads (2 per KV group), the others 8
     (run_dir / "plan.json").write_text(json.dumps(plan))
-    comp = export.load_run(run_dir).compensation  # the compensation of the layers still pruned (provenance checks)
+    comp = folders.load_run(run_dir).compensation  # the compensation of the layers still pruned (provenance checks)
     comp = surgery.Compensation(comp.kind, {k: v for k, v in comp.bias.items() if k == 0},
                                 {k: v for k, v in comp.weight.items() if k == 0})
-    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
+    folders.save_compensation(comp, run_dir / folders.COMPENSATION_FILE)
     assert main(["export", str(run_dir), "--format", "compact"]) == 0
     out = run_dir / "export-compact"
     config = json.loads((out / "config.json").read_text())
@@ -264,14 +267,14 @@ def test_a_bias_the_config_cannot_declare_exports_compact_only(runs, tmp_path, c
 
     base = tmp_path / "mistral"
     tiny_model("mistral").save_pretrained(base)
-    AutoTokenizer.from_pretrained(models.resolve("llama-shakespeare")).save_pretrained(base)
+    AutoTokenizer.from_pretrained(assets.resolve("llama-shakespeare")).save_pretrained(base)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
     (run_dir / "plan.json").write_text(json.dumps({"heads": {"0": [0, 1]}, "entries": []}))  # a whole KV group
     metrics = json.loads((runs("llama") / "metrics.json").read_text())  # any run's figures: the card needs some
     (run_dir / "metrics.json").write_text(json.dumps({**metrics, "compensation": "mean", "pruned_heads": 2}))
-    export.save_compensation({0: torch.randn(32)}, run_dir / export.COMPENSATION_FILE)
+    folders.save_compensation({0: torch.randn(32)}, run_dir / folders.COMPENSATION_FILE)
     assert main(["export", str(run_dir), "--format", "dense"]) == 2
     err = capsys.readouterr().err
     assert "cannot write a dense checkpoint" in err and "mistral config cannot declare" in err
@@ -284,17 +287,17 @@ def test_a_bias_the_config_cannot_declare_exports_compact_only(runs, tmp_path, c
 
 def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
     """Mistral: the refitted weights need no bias, so both formats export and reload with the pruned logits."""
+    from tiny import ragged_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pruner.capture import CaptureConfig, capture_stats
-    from pruner.data import pad
-    from pruner.sinks import SinkSpec
-    from tiny import ragged_batch
+    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.sinks import SinkSpec
+    from pruner.core.data import pad
 
     base = tmp_path / "mistral"
     model = tiny_model("mistral")
     model.save_pretrained(base)
-    AutoTokenizer.from_pretrained(models.resolve("llama-shakespeare")).save_pretrained(base)
+    AutoTokenizer.from_pretrained(assets.resolve("llama-shakespeare")).save_pretrained(base)
     heads = {0: [0, 1], 1: [2, 3]}  # one whole KV group per layer: 2 query heads over 1 KV head everywhere
     batch = pad(ragged_batch(seed=3, n=10), 0)
     outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
@@ -304,13 +307,13 @@ def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
     (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")
     (run_dir / "plan.json").write_text(json.dumps({"heads": {str(k): v for k, v in heads.items()}, "entries": []}))
     (run_dir / "metrics.json").write_text(json.dumps({"compensation": "refit"}))
-    export.save_compensation(comp, run_dir / export.COMPENSATION_FILE)
+    folders.save_compensation(comp, run_dir / folders.COMPENSATION_FILE)
     ids = batch.input_ids[:2]
     with surgery.masked(model, heads, comp), torch.no_grad():
         want = model(ids).logits
     for fmt in export.FORMATS:  # rebuilt from the run folder alone, saved, reload-checked
-        rebuilt, tok = export.rebuild(export.load_run(run_dir), fmt)
-        assert export.save_checkpoint(rebuilt, tok, tmp_path / fmt, removed=fmt == "compact").max_diff <= export.ATOL
+        rebuilt, tok = export.rebuild(folders.load_run(run_dir), fmt)
+        assert folders.save_checkpoint(rebuilt, tok, tmp_path / fmt, removed=fmt == "compact").max_diff <= export.ATOL
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.float32).eval()
         assert reloaded.config.model_type == "mistral" and reloaded.model.layers[0].self_attn.o_proj.bias is None
         with torch.no_grad():
@@ -324,7 +327,7 @@ def test_a_checkpoint_that_reloads_differently_is_refused(tmp_path, word_tokeniz
     surgery.mask_heads(model, {0: [0, 1]}, {0: torch.randn(32)})
     del model._pruner_bias_not_in_config
     with pytest.raises(export.ExportError, match=r"reloads \(transformers AutoModelForCausalLM\) with logits off by"):
-        export.save_checkpoint(model, word_tokenizer, tmp_path, removed=False)
+        folders.save_checkpoint(model, word_tokenizer, tmp_path, removed=False)
 
 
 def test_refuses_to_overwrite_without_overwrite(runs, capsys):
@@ -399,7 +402,7 @@ def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, 
     model.save_pretrained(base)
     assert "head_dim" not in json.loads((base / "config.json").read_text())
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(models.resolve("gpt2-shakespeare")) / f, base / f)
+        shutil.copy(Path(assets.resolve("gpt2-shakespeare")) / f, base / f)
     (tmp_path / "recipe.yaml").write_text(f"model: {{path: {base}}}\nsinks: {{mode: first}}\n")
     run_dir = tmp_path / "run"
     assert main(["prune", str(tmp_path / "recipe.yaml"), "--out", str(run_dir), *QUICK,
@@ -423,5 +426,5 @@ def test_prune_saves_its_model_in_the_base_checkpoints_dtype(runs):
         metrics = json.loads((runs(name) / "metrics.json").read_text())
         assert (metrics["model_layout"], metrics["model_dtype"]) == (layout, "float16")
         assert json.loads((runs(name) / "model" / "config.json").read_text())["dtype"] == "float16"
-        base = Path(models.resolve(export.load_run(runs(name)).recipe.model.path)) / "model.safetensors"
+        base = Path(assets.resolve(folders.load_run(runs(name)).recipe.model.path)) / "model.safetensors"
         assert metrics["model_bytes"] <= base.stat().st_size

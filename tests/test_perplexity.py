@@ -6,9 +6,14 @@ import math
 
 import pytest
 import torch
-
-from pruner.perplexity import paired_delta, perplexity, sliding_windows, window_nll
 from tiny import tiny_model
+
+from pruner.evaluation.perplexity import (
+    paired_delta,
+    perplexity,
+    sliding_windows,
+    window_nll,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pruner.recipe import Recipe, RecipeError, load_recipe
+from pruner.runs.recipe import Recipe, RecipeError
+from pruner.runs.recipe_io import load_recipe
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,8 @@ def test_shipped_recipes_validate(path):
 
 # --- fuzzing: any input is either a valid recipe or one clean RecipeError -------------------------------------
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 _KEYS = ["model", "path", "dtype", "calibration", "evaluation", "data", "length", "num_samples", "sinks", "mode",
          "positions", "scorer", "name", "selection", "target", "budget", "surgery", "compensation", "export",

@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
-
-from pruner import assets, models
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import TextSource, line_samples, load_texts, token_windows
-from pruner.eager import eager_stats
-from pruner.sinks import SinkSpec
 from test_capture import assert_stats_close
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.eager import eager_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.checkpoints import loading
+from pruner.core import assets
+from pruner.core.data import TextSource, line_samples, load_texts, token_windows
 
 pytestmark = pytest.mark.integration
 DECODERS = ("gpt2-shakespeare", "llama-shakespeare", "llama-shakespeare-early", "llama-shakespeare-middle",
@@ -41,8 +42,8 @@ def test_llama_uses_grouped_query_attention_and_explicit_head_dim():
 
 @pytest.mark.parametrize("name", ["gpt2-shakespeare", "llama-shakespeare", "minilm-causal"])
 def test_capture_equals_eager_on_reference_decoders(name):
-    model = models.load_model(name)
-    tok = models.load_tokenizer(name)
+    model = loading.load_model(name)
+    tok = loading.load_tokenizer(name)
     batch = token_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 64, num_samples=4, seed=0)
     cfg = CaptureConfig(chunk_size=24, metrics=("cosine", "js"))
     cap = capture_stats(model, batch, SinkSpec("first"), tok, cfg, batch_size=2)
@@ -51,7 +52,7 @@ def test_capture_equals_eager_on_reference_decoders(name):
 
 
 def test_capture_equals_eager_on_minilm_encoder(minilm_tokenizer):
-    model = models.load_model("minilm")
+    model = loading.load_model("minilm")
     batch = line_samples(minilm_tokenizer, load_texts(TextSource("shakespeare:calibration")), 48,
                          num_samples=12, seed=0)
     cfg = CaptureConfig(chunk_size=16, metrics=("cosine", "js"))
@@ -72,11 +73,11 @@ def test_minilm_causal_has_real_sinks():
 def test_minilm_readout_gives_a_real_masked_lm(minilm_tokenizer):
     """The shipped readout turns the frozen encoder into a masked LM far better than chance or
     than an untrained readout (its reference.json reports the full evaluation number)."""
-    from pruner.perplexity import masked_lines, perplexity, window_nll
+    from pruner.evaluation.perplexity import masked_lines, perplexity, window_nll
 
     lines = masked_lines(minilm_tokenizer, load_texts(TextSource("shakespeare:evaluation")), 48,
                          num_samples=64, seed=0)
-    trained = perplexity(*window_nll(models.load_minilm_mlm(), lines, causal=False))
+    trained = perplexity(*window_nll(loading.load_minilm_mlm(), lines, causal=False))
     torch.manual_seed(0)
-    fresh = perplexity(*window_nll(models.load_minilm_mlm(readout=None), lines, causal=False))
+    fresh = perplexity(*window_nll(loading.load_minilm_mlm(readout=None), lines, causal=False))
     assert trained < 1500 and trained < fresh / 10, (trained, fresh)

@@ -1,6 +1,6 @@
 """Refit compensation (DESIGN section 8.1): the closed form, the Schur-complement energy, the invariants.
 
-Unit tier: `pruner.refit` against an independent least-squares solve on synthetic
+Unit tier: `pruner.pruning.refit` against an independent least-squares solve on synthetic
 float64 samples. Integration tier: tiny models of every family -- no head pruned is
 the identity, a pruned head the kept ones can rebuild exactly leaves the model's
 outputs unchanged, mask == remove == vanilla reload with the refitted weights.
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner import arch, export, refit, surgery
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.models import forward
-from pruner.sinks import SinkSpec
 from tiny import CAUSAL, ragged_batch, tiny_model
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core import arch
+from pruner.core.data import pad
+from pruner.core.runtime import forward
+from pruner.pruning import refit, surgery
+from pruner.runs import export, folders
 
 D_MODEL, H, HD = 6, 4, 3
 D = H * HD
@@ -268,12 +270,12 @@ def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     assert not getattr(dense, "_pruner_bias_not_in_config", False)
     assert all((arch.o_bias(dense, i) is None) == (family in ("llama", "qwen2")) for i in range(2))
     tok = word_tokenizer()
-    assert export.save_checkpoint(dense, tok, tmp_path / "dense", removed=False).max_diff <= export.ATOL
+    assert folders.save_checkpoint(dense, tok, tmp_path / "dense", removed=False).max_diff <= export.ATOL
     if family == "llama":  # uniform: 2 of 4 heads over 2 KV heads in each layer, explicit head_dim: compact saves
         uniform = {0: [1, 3], 1: [1, 3]}
         removed = tiny_model(family)
         surgery.remove_heads(removed, uniform, surgery.compensate(ref, uniform, outputs_of(ref, batch, family), "refit"))
-        saved = export.save_checkpoint(removed, tok, tmp_path / "compact", removed=True)
+        saved = folders.save_checkpoint(removed, tok, tmp_path / "compact", removed=True)
         assert saved.max_diff <= export.ATOL and saved.layout == "vanilla"
         import json
         cfg = json.loads((tmp_path / "compact" / "config.json").read_text())
@@ -284,7 +286,7 @@ def word_tokenizer():
     """A small tokenizer the checkpoints can be saved with (the tiny models need none to run)."""
     from transformers import AutoTokenizer
 
-    from pruner import assets
+    from pruner.core import assets
 
     return AutoTokenizer.from_pretrained(assets.checkpoint("gpt2-shakespeare"))
 
@@ -294,17 +296,17 @@ def test_compensation_file_round_trips_and_reads_old_bias_only_files(tmp_path):
     model, batch = tiny_model("gpt2"), pad(ragged_batch(), 0)
     heads = {0: [1], 1: [0, 2]}
     comp = surgery.compensate(model, heads, outputs_of(model, batch, "gpt2"), "refit")
-    export.save_compensation(comp, tmp_path / "c.safetensors")
-    back = export.load_compensation(tmp_path / "c.safetensors")
+    folders.save_compensation(comp, tmp_path / "c.safetensors")
+    back = folders.load_compensation(tmp_path / "c.safetensors")
     assert back.kind == "refit" and back.bias.keys() == comp.bias.keys() == back.weight.keys() == {0, 1}
     for k in comp.weight:
         assert torch.equal(back.weight[k], comp.weight[k]) and torch.equal(back.bias[k], comp.bias[k])
     from safetensors.torch import save_file
 
     save_file({"layer.0": comp.bias[0]}, str(tmp_path / "old.safetensors"))  # a file from before refit
-    old = export.load_compensation(tmp_path / "old.safetensors")
+    old = folders.load_compensation(tmp_path / "old.safetensors")
     assert old.kind == "mean" and list(old.bias) == [0] and not old.weight
-    export.save_compensation(surgery.Compensation(), tmp_path / "zero.safetensors")
+    folders.save_compensation(surgery.Compensation(), tmp_path / "zero.safetensors")
     assert not (tmp_path / "zero.safetensors").exists()
 
 
@@ -327,9 +329,9 @@ def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_p
 
 @pytest.mark.integration
 def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
-    from pruner.calibrate import calibrate
-    from pruner.scoring import get_scorer
-    from pruner.selection import SelectionConfig, select
+    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.scoring import get_scorer
+    from pruner.pruning.selection import SelectionConfig, select
 
     model = tiny_model("gpt2")
     copy_head(model, "gpt2", 1, 0, 3)

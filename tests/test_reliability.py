@@ -27,8 +27,8 @@ from unittest import mock
 import pytest
 import torch
 
-from pruner import assets
 from pruner.cli import main
+from pruner.core import assets
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def _emptied_layer(run: Path) -> None:
 
 def _interrupted(d: Path) -> None:
     """A run interrupted (Ctrl-C) after its first checkpoint: its partial folder holds resumable state."""
-    from pruner import resume
+    from pruner.core import resume
 
     def stop(label: str) -> None:
         if label == "capture:1":
@@ -307,10 +307,10 @@ def _without_harness():
 
 PATCHES = {  # case name -> what it runs under
     "tasks without lm-evaluation-harness installed": lambda e: _without_harness(),
-    "not enough memory (512 KiB free)": lambda e: mock.patch("pruner.resources.available_memory",
+    "not enough memory (512 KiB free)": lambda e: mock.patch("pruner.runs.resources.available_memory",
                                                               lambda device: 512 << 10),
-    "not enough disk (1 MiB free)": lambda e: mock.patch("pruner.resources.free_disk", lambda folder: 1 << 20),
-    "disk full while saving": lambda e: mock.patch("pruner.export.save_checkpoint", _no_room),
+    "not enough disk (1 MiB free)": lambda e: mock.patch("pruner.runs.resources.free_disk", lambda folder: 1 << 20),
+    "disk full while saving": lambda e: mock.patch("pruner.runs.folders.save_checkpoint", _no_room),
     "Hub error that echoes the token": lambda e: _patches(
         mock.patch.dict(os.environ, {"HF_TOKEN": FAKE_TOKEN}),
         mock.patch("transformers.PretrainedConfig.get_config_dict", _hub_401)),
@@ -370,7 +370,7 @@ def test_debug_shows_the_traceback(env, capsys):
 
 
 def test_unexpected_errors_are_one_line_with_a_hint(env, tmp_path, capsys, monkeypatch):
-    from pruner import pipeline
+    from pruner.runs import pipeline
 
     def boom(*a, **k):
         raise RuntimeError("something broke\ninside")
@@ -382,11 +382,11 @@ def test_unexpected_errors_are_one_line_with_a_hint(env, tmp_path, capsys, monke
 
 
 def test_interrupted_export_leaves_nothing(env, tmp_path, capsys, monkeypatch):
-    from pruner import export
+    from pruner.runs import export
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(export.compact, "verify", interrupt)  # Ctrl-C while the written checkpoint is checked
+    monkeypatch.setattr(export.saving, "verify", interrupt)  # Ctrl-C while the written checkpoint is checked
     out = tmp_path / "export"
     assert main(["export", str(env / "llama-run"), "--format", "dense", "--out", str(out)]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "pruner: interrupted; no output folder was written"
@@ -452,7 +452,7 @@ def test_interrupt_leaves_no_partial_output(env, tmp_path):
 
 def test_a_token_never_reaches_the_output_or_the_run_folder(env, tmp_path, capsys, monkeypatch):
     """HF_TOKEN set; prune, export and a push that fails with an error echoing the token and its header."""
-    from pruner import export
+    from pruner.runs import export
 
     monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from pruner import resources
-from pruner.resources import Sizes
 from tiny import tiny_model
+
+from pruner.runs import resources
+from pruner.runs.resources import Sizes
 
 pytestmark = pytest.mark.integration
 

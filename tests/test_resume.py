@@ -9,18 +9,17 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-from pruner import report, resume
-from pruner import stats as st
-from pruner.calibrate import calibrate
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.sinks import SinkSpec
 from tiny import ragged_batch, tiny_model
+
+from pruner.attention import moments, sums
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core import outputs, resume
+from pruner.core.data import pad
+from pruner.pruning.calibrate import calibrate
 
 pytestmark = pytest.mark.integration
 
@@ -62,12 +61,12 @@ def assert_identical(a, b) -> None:
 def test_plain_round_trip_of_layer_stats(tmp_path):
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    om = st.OutputMoments(r(()), r(2, 3), r(2, 3), r(2, 3), r(2, 3, 3), r(2, 3, 3), r(2, 3, 3), r(6, 6))
-    ls = st.LayerStats(*(r(()) if i < 2 else r(2) for i in range(9)), pairs={"cosine/full": r(2, 2)}, outputs=om)
+    om = moments.OutputMoments(r(()), r(2, 3), r(2, 3), r(2, 3), r(2, 3, 3), r(2, 3, 3), r(2, 3, 3), r(6, 6))
+    ls = sums.LayerStats(*(r(()) if i < 2 else r(2) for i in range(9)), pairs={"cosine/full": r(2, 2)}, outputs=om)
     ck = resume.Checkpoints(tmp_path, every_batches=1)
     ck.save("x", {"layers": resume.plain({0: ls, 3: ls}), "cursor": 7})
     back = ck.load("x")
-    layers = resume.unplain(back["layers"], {"LayerStats": st.LayerStats, "OutputMoments": st.OutputMoments})
+    layers = resume.unplain(back["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments})
     assert back["cursor"] == 7 and set(layers) == {0, 3}
     assert_identical(layers[3], ls)
     assert not list(tmp_path.rglob("*.tmp"))  # written through a temporary file, then renamed
@@ -141,7 +140,7 @@ def test_resumed_model_wide_capture_is_bit_identical(tmp_path, kill_at):
 
 def test_partial_folder_is_deterministic_and_renamed(tmp_path):
     out = tmp_path / "run"
-    with report.atomic_dir(out, overwrite=False) as tmp:
+    with outputs.atomic_dir(out, overwrite=False) as tmp:
         assert tmp == tmp_path / ".run.partial"
         (tmp / "plan.json").write_text("{}")
     assert (out / "plan.json").exists() and not (tmp_path / ".run.partial").exists()
@@ -151,34 +150,34 @@ def test_partial_folder_is_deterministic_and_renamed(tmp_path):
 def test_checkpoints_survive_an_error_and_resume_checks_the_fingerprint(tmp_path):
     out, fp = tmp_path / "run", {"recipe": {"selection": {"target": 0.25}}}
     with pytest.raises(KeyboardInterrupt) as info:
-        with report.atomic_dir(out, False) as tmp:
+        with outputs.atomic_dir(out, False) as tmp:
             resume.open_checkpoints(tmp, fp, every_batches=1).step("capture", 1, lambda: {"cursor": 1})
             (tmp / "plan.json").write_text("half")
             raise KeyboardInterrupt
     assert info.value.pruner_partial == tmp and resume.has_state(tmp) and not out.exists()
     with pytest.raises(resume.ResumeError, match=r"an interrupted run of .*run is kept in .*\.run\.partial: "
                                                  r"pass --resume to continue it, or --overwrite to start over"):
-        with report.atomic_dir(out, False):
+        with outputs.atomic_dir(out, False):
             pass
     other = {"recipe": {"selection": {"target": 0.4}}}
     with pytest.raises(resume.ResumeError, match=r"cannot resume from .*\.run\.partial: the interrupted run had a "
                                                  r"different setup \(recipe.selection.target: 0.25 -> 0.4\)"):
-        with report.atomic_dir(out, False, resume_run=True) as tmp:
+        with outputs.atomic_dir(out, False, resume_run=True) as tmp:
             resume.open_checkpoints(tmp, other)
     assert resume.has_state(tmp)  # a refused resume keeps the checkpoints
-    with report.atomic_dir(out, False, resume_run=True) as again:
+    with outputs.atomic_dir(out, False, resume_run=True) as again:
         assert again == tmp and resume.open_checkpoints(tmp, fp).load("capture")["cursor"] == 1
         assert not (tmp / "plan.json").exists()  # half-written files of the killed run are gone
         (tmp / "plan.json").write_text("whole")
     assert (out / "plan.json").read_text() == "whole" and not (out / resume.STATE).exists()
-    with report.atomic_dir(out, True) as tmp:  # a fresh run starts without the old fingerprint
+    with outputs.atomic_dir(out, True) as tmp:  # a fresh run starts without the old fingerprint
         assert resume.open_checkpoints(tmp, other).load("capture") is None
 
 
 def test_errors_without_checkpoints_leave_nothing(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError):
-        with report.atomic_dir(out, False) as tmp:
+        with outputs.atomic_dir(out, False) as tmp:
             (tmp / "x").write_text("x")
             raise ValueError("bad")
     assert not list(tmp_path.iterdir())
@@ -186,27 +185,27 @@ def test_errors_without_checkpoints_leave_nothing(tmp_path):
 
 def test_resume_of_a_complete_run_says_so(tmp_path):
     out = tmp_path / "run"
-    with report.atomic_dir(out, False) as tmp:
+    with outputs.atomic_dir(out, False) as tmp:
         (tmp / "plan.json").write_text("{}")
     with pytest.raises(FileExistsError, match="run is already complete: nothing to resume"):
-        with report.atomic_dir(out, False, resume_run=True):
+        with outputs.atomic_dir(out, False, resume_run=True):
             pass
 
 
 def test_a_live_run_holds_its_partial_folder(tmp_path):
     out = tmp_path / "run"
-    with report.atomic_dir(out, False):
+    with outputs.atomic_dir(out, False):
         with pytest.raises(resume.ResumeError, match="another pruner run is writing .*run right now"):
-            with report.atomic_dir(out, True):
+            with outputs.atomic_dir(out, True):
                 pass
 
 
 @pytest.mark.parametrize("how", ["oserror", "safetensors"])
 def test_full_disk_leaves_no_partial_folder(tmp_path, how):
     out = tmp_path / "run"
-    with pytest.raises(report.DiskFullError, match=r"^no space left on device while writing .*run: nothing was "
+    with pytest.raises(outputs.DiskFullError, match=r"^no space left on device while writing .*run: nothing was "
                                                    r"written and the partial folder was removed"):
-        with report.atomic_dir(out, False) as tmp:
+        with outputs.atomic_dir(out, False) as tmp:
             resume.Checkpoints(tmp, every_batches=1).step("capture", 1, lambda: {"cursor": 1})
             if how == "oserror":
                 raise OSError(errno.ENOSPC, "No space left on device")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pruner import resume
-from pruner.cli import main
 from test_reliability import _tiny, terminal_sigint
+
+from pruner.cli import main
+from pruner.core import resume
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.sinks import SinkSpec
 from tiny import ragged_batch, tiny_model
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core.data import pad
 
 pytestmark = pytest.mark.integration
 FIELDS = ("sink_mass", "entropy_full", "entropy_content", "g", "rest")
@@ -44,14 +44,15 @@ def test_device_map_auto_gives_the_same_statistics_and_nll():
     plumbing (inputs sent to the embedding's device, per-layer sums moved to the CPU
     before merging) rather than a real split; those paths are device-agnostic.
     """
-    from pruner import data, models
-    from pruner.perplexity import sliding_windows, window_nll
+    from pruner.checkpoints import loading
+    from pruner.core import data
+    from pruner.evaluation.perplexity import sliding_windows, window_nll
 
-    tok = models.load_tokenizer("gpt2-shakespeare")
+    tok = loading.load_tokenizer("gpt2-shakespeare")
     texts = data.load_texts(data.TextSource("shakespeare:evaluation"))
     batch = data.token_windows(tok, texts, 64, num_samples=4, seed=0)
     windows = sliding_windows(tok, texts, 64, max_windows=4)
-    plain, mapped = models.load_model("gpt2-shakespeare"), models.load_model("gpt2-shakespeare", device_map="auto")
+    plain, mapped = loading.load_model("gpt2-shakespeare"), loading.load_model("gpt2-shakespeare", device_map="auto")
     a, b = (capture_stats(m, batch, SinkSpec("first")) for m in (plain, mapped))
     for f in FIELDS:
         torch.testing.assert_close(getattr(b, f), getattr(a, f), rtol=0, atol=1e-9, msg=f)

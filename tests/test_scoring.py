@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner import arch, scoring
-from pruner.calibrate import calibrate, gradient_importance, lm_loss
-from pruner.data import pad
-from pruner.selection import SelectionConfig, SelectionError, convention_sensitivity, select
-from pruner.sinks import SinkSpec
 from tiny import ragged_batch, tiny_model
+
+from pruner.attention.sinks import SinkSpec
+from pruner.core import arch
+from pruner.core.data import pad
+from pruner.pruning import scoring
+from pruner.pruning.calibrate import calibrate, gradient_importance, lm_loss
+from pruner.pruning.selection import (
+    SelectionConfig,
+    SelectionError,
+    convention_sensitivity,
+    select,
+)
 
 pytestmark = pytest.mark.integration
 

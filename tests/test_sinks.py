@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pruner.sinks import SinkSpec, relative_positions, sink_mask
+from pruner.attention.sinks import SinkSpec, relative_positions, sink_mask
 
 pytestmark = pytest.mark.unit
 

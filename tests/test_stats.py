@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pruner import composition as cp
-from pruner import stats as st
+from pruner.attention import composition as cp
+from pruner.attention import kernel as st
+from pruner.attention import pairs, sums
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +35,7 @@ def test_chunk_stats_match_naive_rows(sink_shift):
     """-100: the first sink's weight underflows (e^-100), so the log-normaliser falls back to the row maxima."""
     z, sink, valid, rows = random_chunk(sink_shift=sink_shift)
     B, H, T, _ = z.shape
-    s = st.finalize([st.chunk_stats(z, sink, valid, rows, metrics=("cosine", "js", "tv", "hellinger"))])
+    s = sums.finalize([st.chunk_stats(z, sink, valid, rows, metrics=("cosine", "js", "tv", "hellinger"))])
     n, nc = 0, 0
     acc = {k: torch.zeros(H, dtype=torch.float64) for k in ("s", "hf", "hc")}
     pair = {k: torch.zeros(H, H, dtype=torch.float64) for k in ("cosine/full", "js/content", "tv/full",
@@ -72,13 +73,13 @@ def test_chunk_stats_match_naive_rows(sink_shift):
 
 def test_head_level_entropy_identity_holds_for_means():
     z, sink, valid, rows = random_chunk(seed=3)
-    s = st.finalize([st.chunk_stats(z, sink, valid, rows)])
+    s = sums.finalize([st.chunk_stats(z, sink, valid, rows)])
     torch.testing.assert_close(s.g + s.rest * s.h_content_weighted, s.entropy_full, rtol=1e-12, atol=1e-12)
 
 
 def test_aitchison_pairs_from_scores():
     z, sink, valid, rows = random_chunk(seed=4)
-    out = st.pair_matrices(z, torch.softmax(z.masked_fill(~valid, -math.inf), -1),
+    out = pairs.pair_matrices(z, torch.softmax(z.masked_fill(~valid, -math.inf), -1),
                            sink[:, None, None, :], valid, ("aitchison",), cp.CONTENT)["aitchison"]
     b, q = 0, 6  # row with several content keys
     v, parts = valid[b, 0, q], cp.content_mask(sink[b], valid[b, 0, q])

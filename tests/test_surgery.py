@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pruner import arch, surgery
-from pruner.capture import CaptureConfig, capture_stats
-from pruner.data import pad
-from pruner.models import forward
-from pruner.sinks import SinkSpec
 from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core import arch
+from pruner.core.data import pad
+from pruner.core.runtime import forward
+from pruner.pruning import surgery
 
 pytestmark = pytest.mark.integration
 

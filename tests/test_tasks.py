@@ -7,13 +7,16 @@ import json
 import lm_eval  # noqa: F401 - the tasks extra is part of the test extra: its absence fails, never skips
 import pytest
 import torch
-
-from pruner import arch, models, perplexity, surgery, tasks
 from tiny import tiny_model
+
+from pruner.checkpoints import loading
+from pruner.core import arch
+from pruner.evaluation import accuracy, downstream, perplexity, tasks
+from pruner.pruning import surgery
 
 TASK_YAML = """\
 task: {name}
-custom_dataset: !function pruner.tasks.jsonl_dataset
+custom_dataset: !function {function}
 dataset_kwargs:
   data_files: {{test: {name}.jsonl}}
 test_split: test
@@ -32,9 +35,9 @@ DOCS = [
 ]
 
 
-def write_task(folder, name="tiny_task", docs=DOCS):
+def write_task(folder, name="tiny_task", docs=DOCS, function="pruner.evaluation.tasks.jsonl_dataset"):
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.yaml").write_text(TASK_YAML.format(name=name))
+    (folder / f"{name}.yaml").write_text(TASK_YAML.format(name=name, function=function))
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     return folder
 
@@ -72,11 +75,22 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     assert torch.allclose(-nll, torch.tensor(harness_ll, dtype=torch.float64), atol=1e-4)
 
 
+@pytest.mark.integration
+def test_task_yamls_naming_the_old_module_path_still_load(tmp_path):
+    """Task YAMLs written before the subpackages name `pruner.tasks.jsonl_dataset`: the same documents load."""
+    docs = {}
+    for function in ("pruner.tasks.jsonl_dataset", "pruner.evaluation.tasks.jsonl_dataset"):
+        folder = write_task(tmp_path / function, function=function)
+        loaded = tasks.load_tasks(tasks.TaskSpec(("tiny_task",), (str(folder),)))
+        docs[function] = [dict(d) for d in loaded["tasks"]["tiny_task"].eval_docs]
+    assert docs["pruner.tasks.jsonl_dataset"] == docs["pruner.evaluation.tasks.jsonl_dataset"] == DOCS
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("name,first", [("minilm-causal", 101), ("gpt2-shakespeare", 0), ("llama-shakespeare", 0)])
 def test_encoding_starts_with_the_training_bos_and_appends_nothing(name, first):
     """[CLS] / BOS first, as pruner's perplexity windows; no [SEP] / EOS; the continuation split where it belongs."""
-    tok = models.load_tokenizer(name)
+    tok = loading.load_tokenizer(name)
     lm = tasks.harness_lm(tiny_model("gpt2"), tok, bos=True)
     ctx, cont = lm._encode_pair("To be, or not to be: that is", " the question")
     plain = tok("To be, or not to be: that is the question", add_special_tokens=False)["input_ids"]
@@ -92,7 +106,7 @@ def test_encoding_starts_with_the_training_bos_and_appends_nothing(name, first):
 @pytest.mark.integration
 def test_scoped_mask_is_active_during_the_harness_run():
     """minilm-causal on the shipped cloze: masking every head but one changes accuracy; leaving the scope restores it."""
-    model, tok = models.load_model("minilm-causal"), models.load_tokenizer("minilm-causal")
+    model, tok = loading.load_model("minilm-causal"), loading.load_tokenizer("minilm-causal")
     h = tasks.Harness(model, tok, tasks.TaskSpec(("shakespeare_cloze",), limit=24, batch_size=8))
     base = h.scores()["shakespeare_cloze"]
     g = arch.geometry(model)
@@ -105,7 +119,7 @@ def test_scoped_mask_is_active_during_the_harness_run():
     assert not torch.equal(base.metrics["acc"], masked.metrics["acc"])
     assert masked.metrics["acc"].mean() < base.metrics["acc"].mean()
     assert torch.equal(base.metrics["acc"], again.metrics["acc"])
-    (d_acc, d_norm) = tasks.paired_accuracy(base, masked, n_boot=200)
+    (d_acc, d_norm) = accuracy.paired_accuracy(base, masked, n_boot=200)
     assert d_acc.metric == "acc" and d_norm.metric == "acc_norm" and d_acc.docs == 24
     assert d_acc.delta == pytest.approx(masked.metrics["acc"].mean().item() - base.metrics["acc"].mean().item())
 
@@ -113,23 +127,23 @@ def test_scoped_mask_is_active_during_the_harness_run():
 @pytest.mark.unit
 def test_paired_accuracy_bootstrap():
     ids = tuple(range(40))
-    base = tasks.TaskScores("t", ids, ("p",) * 40, {"acc": torch.ones(40, dtype=torch.float64)})
-    same = tasks.paired_accuracy(base, base, n_boot=100)[0]
+    base = accuracy.TaskScores("t", ids, ("p",) * 40, {"acc": torch.ones(40, dtype=torch.float64)})
+    same = accuracy.paired_accuracy(base, base, n_boot=100)[0]
     assert (same.delta, same.ci_low, same.ci_high) == (0.0, 0.0, 0.0)
     half = torch.tensor([1.0, 0.0] * 20, dtype=torch.float64)
-    d = tasks.paired_accuracy(base, tasks.TaskScores("t", ids, ("p",) * 40, {"acc": half}), n_boot=500)[0]
+    d = accuracy.paired_accuracy(base, accuracy.TaskScores("t", ids, ("p",) * 40, {"acc": half}), n_boot=500)[0]
     assert d.base == 1.0 and d.pruned == 0.5 and d.delta == -0.5
     assert d.ci_low < -0.5 < d.ci_high < 0
     with pytest.raises(ValueError, match="same documents"):
-        tasks.paired_accuracy(base, tasks.TaskScores("t", ids[::-1], ("p",) * 40, {"acc": half}))
+        accuracy.paired_accuracy(base, accuracy.TaskScores("t", ids[::-1], ("p",) * 40, {"acc": half}))
 
 
 @pytest.mark.unit
 def test_missing_extra_unknown_task_and_encoder_refusal_are_one_clear_error(monkeypatch, word_tokenizer):
     with pytest.raises(tasks.TaskError, match=r"encoder: use the embedding task shakespeare_speech|needs a causal LM"):
-        tasks.Downstream(tiny_model("bert"), word_tokenizer, tasks.TaskSpec(("shakespeare_cloze",)), causal=False)
+        downstream.Downstream(tiny_model("bert"), word_tokenizer, tasks.TaskSpec(("shakespeare_cloze",)), causal=False)
     with pytest.raises(tasks.TaskError, match=r"unknown embedding task 'speech'"):
-        tasks.load_embedding_task("speech")
+        downstream.load_embedding_task("speech")
     with pytest.raises(tasks.TaskError, match=r"no .yaml task files"):
         tasks.load_tasks(tasks.TaskSpec(("x",), (str(tasks.SUITE.parent / "models"),)))
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the extra were not installed
@@ -139,7 +153,8 @@ def test_missing_extra_unknown_task_and_encoder_refusal_are_one_clear_error(monk
 
 @pytest.mark.unit
 def test_recipe_task_keys():
-    from pruner.recipe import RecipeError, load_recipe
+    from pruner.runs.recipe import RecipeError
+    from pruner.runs.recipe_io import load_recipe
 
     r = load_recipe("recipes/quickstart.yaml", ["evaluation.tasks=[shakespeare]", "evaluation.task_limit=50",
                                                 "evaluation.num_fewshot=0", "evaluation.task_paths=[a, b]"])
@@ -154,8 +169,8 @@ def test_recipe_task_keys():
 @pytest.mark.integration
 def test_embedding_task_is_the_cosine_of_pooled_embeddings():
     """all-MiniLM-L6-v2 (encoder): each document's verdict is cos(anchor, labelled) > cos(anchor, other)."""
-    model, tok = models.load_model("minilm"), models.load_tokenizer("minilm")
-    ds = tasks.Downstream(model, tok, tasks.TaskSpec(("shakespeare_speech",), limit=16, batch_size=8), causal=False,
+    model, tok = loading.load_model("minilm"), loading.load_tokenizer("minilm")
+    ds = downstream.Downstream(model, tok, tasks.TaskSpec(("shakespeare_speech",), limit=16, batch_size=8), causal=False,
                           n_boot=100)
     task, base = ds.embedding[0], ds.scores()
     s = base["shakespeare_speech"]

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from pruner import assets, export, models, provenance
-from pruner.recipe import RecipeError, load_recipe
-from pruner.redact import redact
 from tiny import tiny_model
+
+from pruner.checkpoints import loading
+from pruner.core import assets
+from pruner.core.redact import redact
+from pruner.runs import export, provenance
+from pruner.runs.recipe import RecipeError
+from pruner.runs.recipe_io import load_recipe
 
 pytestmark = pytest.mark.integration
 FAKE_TOKEN = "hf_FakeTokenForPrunerTests0123456789"
@@ -50,15 +53,15 @@ def evil_folder(root: Path, marker: Path, tokenizer_code: bool = False) -> Path:
 def test_remote_code_never_runs_unless_asked(tmp_path):
     marker = tmp_path / "marker"
     folder = evil_folder(tmp_path, marker, tokenizer_code=True)
-    with pytest.raises(models.RemoteCodeError, match=r"evil: its config.json asks to run code shipped with the "
+    with pytest.raises(loading.RemoteCodeError, match=r"evil: its config.json asks to run code shipped with the "
                        r"checkpoint \(configuration_evil.EvilConfig, modeling_evil.EvilForCausalLM\); pruner never "
                        r"runs a model's own code unless asked: pass --trust-remote-code"):
-        models.load_model(str(folder))
-    with pytest.raises(models.RemoteCodeError, match=r"its tokenizer_config.json asks to run code shipped with the "
+        loading.load_model(str(folder))
+    with pytest.raises(loading.RemoteCodeError, match=r"its tokenizer_config.json asks to run code shipped with the "
                                                      r"checkpoint \(tokenization_evil.EvilTokenizer\)"):
-        models.load_tokenizer(str(folder))
+        loading.load_tokenizer(str(folder))
     assert not marker.exists()
-    model = models.load_model(str(folder), trust_remote_code=True)  # asked: the folder's code runs
+    model = loading.load_model(str(folder), trust_remote_code=True)  # asked: the folder's code runs
     assert marker.exists() and type(model).__name__ == "EvilForCausalLM"
 
 
@@ -69,8 +72,8 @@ def test_pruner_format_goes_to_pruners_own_loader(tmp_path, monkeypatch):
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "pruner_format": "per-layer-heads/1"}))
     seen = {}
-    monkeypatch.setattr(models, "load_pruner_format", lambda path, **kw: seen.setdefault("path", path))
-    assert models.load_model(str(folder)) == str(folder)
+    monkeypatch.setattr(loading, "load_pruner_format", lambda path, **kw: seen.setdefault("path", path))
+    assert loading.load_model(str(folder)) == str(folder)
     assert not marker.exists()
 
 
@@ -117,7 +120,7 @@ def test_a_hub_failure_never_shows_the_token(monkeypatch):
     def load(path):
         raise OSError(f"401 Client Error for https://huggingface.co/{path} (Authorization: Bearer {FAKE_TOKEN})")
     with pytest.raises(OSError) as info:
-        models._from_hub(load, "someone/model", "model")
+        loading._from_hub(load, "someone/model", "model")
     assert FAKE_TOKEN not in str(info.value) and "401 Client Error" in str(info.value)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pruner.commands import resume_args, sample_args, sample_options
+from pruner.core import tables
 
 
 def add_parser(sub, common) -> None:
@@ -52,8 +53,10 @@ def thresholds(items: list[str] | None) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, report, runs
-    from pruner import analysis_report as ar
+    from pruner import api
+    from pruner.analysis import report as ar
+    from pruner.core import distributed
+    from pruner.runs import folders as runs
 
     options = {**sample_options(args), "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
                "thresholds": thresholds(args.threshold), "clusters": args.clusters, "chunk_size": args.chunk_size,
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if not main:
         return 0
     res = result.data
-    print("\n" + report.markdown_table(ar.SUMMARY_HEADER, ar.summary_rows(res)))
+    print("\n" + tables.markdown_table(ar.SUMMARY_HEADER, ar.summary_rows(res)))
     if args.compare_to:
         ov = res["entropy_attribution"]["overall"]
         print(f"\nentropy {args.compare_to} -> {args.model}: {ov['delta']:+.3f} nats per head = sink "

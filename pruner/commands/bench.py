@@ -52,9 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pruner import bench
+    from pruner.evaluation import timing
+    from pruner.runs import folders
 
-    cfg = bench.BenchConfig(lengths=lengths(args.lengths), decode=cases(args.decode), new_tokens=args.new_tokens,
+    cfg = timing.BenchConfig(lengths=lengths(args.lengths), decode=cases(args.decode), new_tokens=args.new_tokens,
                             repeats=args.repeats)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise PermissionError(f"cannot write {out}/bench.json: permission denied")
-    result = bench.bench_run(args.run_dir, cfg, args.dtype)
+    result = folders.bench_run(args.run_dir, cfg, args.dtype)
     for name, text in (("bench.json", json.dumps(result.to_dict(), indent=1) + "\n"),
                        ("bench.md", f"# What the compact model buys\n\n{result.markdown()}\n")):
         tmp = out / f".{name}.tmp"

@@ -23,7 +23,7 @@ def add_parser(sub, common) -> None:
 
 def targets(text: str) -> list[float]:
     """`0.1,0.25,8` -> fractions in (0, 1) and whole head counts, as the recipe's selection.target."""
-    from pruner.recipe import SelectionSpec
+    from pruner.runs.recipe import SelectionSpec
 
     out = []
     for x in (x.strip() for x in text.split(",") if x.strip()):
@@ -42,9 +42,11 @@ def _list(text: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, runs
+    from pruner import api
     from pruner.commands import recipe_overrides
-    from pruner.recipe import load_recipe
+    from pruner.core import distributed
+    from pruner.runs import folders as runs
+    from pruner.runs.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     kw = dict(recipe=recipe, scorers=_list(args.scorers), sparsities=targets(args.sparsities),

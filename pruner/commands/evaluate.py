@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from pruner import api, report
+    from pruner import api
+    from pruner.core import outputs
 
     options = {k: v for k, v in {
         "tasks": [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None,
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return api.evaluate(args.model, base=args.base, **options)
 
     if args.out:
-        with report.atomic_dir(Path(args.out), args.overwrite) as tmp:  # unwritable or existing: before compute
+        with outputs.atomic_dir(Path(args.out), args.overwrite) as tmp:  # unwritable or existing: before compute
             result = evaluate()
             (tmp / "evaluation.json").write_text(json.dumps(result.metrics, indent=1) + "\n")
             (tmp / "evaluation.md").write_text(summary(result) + "\n")

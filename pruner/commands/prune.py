@@ -17,10 +17,13 @@ def add_parser(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pruner import api, distributed, export, runs
+    from pruner import api
     from pruner.commands import recipe_overrides
     from pruner.commands.export import print_export
-    from pruner.recipe import load_recipe
+    from pruner.core import distributed
+    from pruner.runs import export
+    from pruner.runs import folders as runs
+    from pruner.runs.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(m: dict, out, compensated: bool) -> None:
     """What was pruned, what it cost, and whose convention sensitivity is shown."""
-    from pruner import export
+    from pruner.runs import folders as runs
 
     e = m["evaluation"]
     print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
@@ -73,7 +76,7 @@ def print_summary(m: dict, out, compensated: bool) -> None:
               f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
               f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
     if m.get("bench"):
-        from pruner.bench import BenchResult
+        from pruner.evaluation.bench import BenchResult
 
         print(BenchResult.from_dict(m["bench"]).summary())
     if not m["model_saved"]:
@@ -89,4 +92,4 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"model/: the compact model ({m['model_layout']}; {how}): {m['params_after']:,} parameters "
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
-          + (f", {export.COMPENSATION_FILE})" if compensated else ")"))
+          + (f", {runs.COMPENSATION_FILE})" if compensated else ")"))

@@ -19,10 +19,12 @@ def add_parser(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pruner import api, audit, distributed
-    from pruner.eager import format_table
+    from pruner.api.analysis import measure_heads
+    from pruner.analysis import flips as audit
+    from pruner.attention.eager import format_table
+    from pruner.core import distributed
 
-    _, _, _, st, batch, unit, spec, _ = api.measure_heads(args.model, None, args.data, metrics=("cosine",),
+    _, _, _, st, batch, unit, spec, _ = measure_heads(args.model, None, args.data, metrics=("cosine",),
                                                           progress=distributed.is_main(), **sample_options(args))
     if not distributed.is_main():  # several processes: rank 0 prints
         return 0

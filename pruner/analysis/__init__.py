@@ -1,0 +1,1 @@
+"""The convention audit: how head-level conclusions change when the sink is included or removed."""

@@ -1,0 +1,1 @@
+"""Attention as compositional data: the two channels, sinks, the fused capture kernel and its mergeable sums."""

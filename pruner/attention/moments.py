@@ -1,0 +1,118 @@
+"""Per-output-channel moments of each head: what scoring and compensation read through W_O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pruner.core.precision import matmul_precision
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class OutputMoments:
+    """First and second moments of each head's output, split by channel (sums, float64).
+
+    Per query row a head writes o = u + w (before the output projection), with
+    u = sum_{j in S} a_j v_j the sink channel and w = sum_{j in C} a_j v_j the
+    content channel. Keeping sums of o, u, w and of their outer products lets any
+    quadratic form through W_O (output norms, fluctuation around the mean, the
+    part of it each channel carries) be computed later, exactly.
+    `joint` is the second moment of all heads' outputs together, so the energy of
+    pruning several heads of a layer at once (their cross terms) is exact too.
+    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head);
+    joint: (head * d_head, head * d_head).
+    """
+
+    tokens: Tensor
+    o: Tensor
+    u: Tensor
+    w: Tensor
+    oo: Tensor
+    uu: Tensor
+    ww: Tensor
+    joint: Tensor
+
+    def __add__(self, other: "OutputMoments") -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to(self, device) -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> OutputMoments:
+    """Moments of one layer's head outputs over the counted rows of a batch.
+
+    o: (B, T, H, d_head) what the output projection receives (any float dtype);
+    u: (B, T, H, d_head) float32, its sink channel; rows: (B, T) rows to count.
+    The products run in float32 on values centred on their batch mean and are
+    uncentred in float64: the sink channel writes nearly the same vector on every
+    row, so raw second moments are dominated by mean x mean^T and a float32 product
+    of raw values would lose the fluctuation that scoring and refit read. `joint`
+    costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
+    computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model)
+    its products run in reduced precision (`matmul_precision`), rounding the centred
+    values by at most 2^-9, no more than the model rounded o itself.
+    """
+    B, T, H, D = o.shape
+    N = B * T
+    r = rows.reshape(N, 1).to(torch.float32)  # 0/1 row weights: pad rows are zeroed, not selected out
+    every = bool(r.all())
+    x = o.reshape(N, H * D)
+    uf = u.reshape(N, H * D)
+    n = r.sum(dtype=torch.float64)
+    # float64 sums (their rounding does not depend on the thread count); the means centre the products
+    o_sum, u_sum = ((y if every else y * r).sum(0, dtype=torch.float64) for y in (x, uf))
+    ref_o, ref_u = (o_sum / n).float(), (u_sum / n).float()
+    xc = x.float() - ref_o  # (N, H * d_head)
+    uc = uf - ref_u
+    if not every:
+        xc.mul_(r)
+        uc.mul_(r)
+    wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
+    uc = uc.view(N, H, D)
+    ref_w = (ref_o - ref_u).view(H, D)
+    with matmul_precision(bf16):
+        joint_c = gram(xc, H)
+    per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
+    o_sum, u_sum = o_sum.view(H, D), u_sum.view(H, D)
+    w_sum = o_sum - u_sum
+
+    def uncentre(c: Tensor, total: Tensor, ref: Tensor) -> Tensor:
+        """sum x x^T from the centred sum: with s = sum (x - r) and t = s + n r / 2,
+        sum xc xc^T + r s^T + s r^T + n r r^T = sum xc xc^T + r t^T + t r^T."""
+        r = ref.double()
+        t = total - (n / 2) * r
+        out = c.double()
+        if out.dim() == 2:
+            return out.addr_(r, t).addr_(t, r)
+        return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
+
+    joint = uncentre(joint_c, o_sum.view(-1), ref_o)  # (H * d_head, H * d_head)
+    oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u.view(H, D)),
+                         uncentre(per_head(wc), w_sum, ref_w), joint)
+
+
+def gram(x: Tensor, heads: int, rows: int = 512) -> Tensor:
+    """x^T x for x (N, F), float32: the upper block triangle only (F split into <= 4 blocks at head
+    boundaries: 10/16 of the multiply-adds), mirrored.
+
+    Summed over blocks of `rows` rows in order: BLAS libraries split a long inner
+    dimension across threads (MKL here: from 1024 rows for a 64-column block, never at
+    512 for 32 to 2048 columns), which
+    would make the result, and the plans scored from it, depend on the thread count.
+    """
+    F = x.shape[1]
+    nb = min(4, heads)
+    edges = [F * (heads * i // nb) // heads for i in range(nb + 1)]
+    out = x.new_zeros(F, F)
+    for r0 in range(0, x.shape[0], rows):
+        xr = x[r0:r0 + rows]
+        for a, b in zip(edges[:-1], edges[1:]):
+            out[a:b, a:].addmm_(xr[:, a:b].t(), xr[:, a:])
+    for a, b in zip(edges[:-1], edges[1:]):
+        out[b:, a:b] = out[a:b, b:].t()
+    return out

@@ -1,0 +1,119 @@
+"""Head x head metrics per query row (cosine, Jensen-Shannon, Hellinger, total variation, Aitchison), on
+rows of any convention: the per-row terms the capture sums into pair matrices."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pruner.attention import composition as cp
+
+Tensor = torch.Tensor
+
+
+PAIR_METRICS = ("cosine", "js", "hellinger", "tv", "aitchison")
+
+
+def pair_sum(x: Tensor, w: Tensor) -> Tensor:
+    """Sum over rows of a per-row (B, c, H, H) pair metric, rows weighted by w (B, c)."""
+    return torch.einsum("bqij,bq->ij", x, w)
+
+
+def _cosine_pairs(p: Tensor) -> Tensor:
+    """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
+    return cosine_from_gram(torch.einsum("bhqk,bgqk->bqhg", p, p))
+
+
+def cosine_from_gram(gram: Tensor) -> Tensor:
+    """Per-row Gram matrices (B, c, H, H) of heads' rows -> their cosines, normalised by the diagonal."""
+    norm = torch.diagonal(gram, dim1=-2, dim2=-1).clamp_min(0).sqrt()  # (B, c, H)
+    return gram / (norm.unsqueeze(-1) * norm.unsqueeze(-2)).clamp_min(torch.finfo(gram.dtype).tiny)
+
+
+def _symmetric(row, B: int, c: int, H: int, like: Tensor) -> Tensor:
+    """(B, c, H, H) zero-diagonal symmetric matrix from its upper triangle, one head at a time:
+    `row(i)` is head i against heads i+1.. as (B, H-i-1, c). Memory stays (B, H, c, K)."""
+    out = like.new_zeros(B, c, H, H)
+    for i in range(H - 1):
+        d = row(i).transpose(1, 2)  # (B, c, H-i-1)
+        out[:, :, i, i + 1:] = d
+        out[:, :, i + 1:, i] = d
+    return out
+
+
+def _loop_pairs(p: Tensor, fn) -> Tensor:
+    """Symmetric elementwise pair metrics fn(p_i, p_j) (zero on the diagonal), upper triangle only."""
+    B, H, c, K = p.shape
+    return _symmetric(lambda i: fn(p[:, i:i + 1], p[:, i + 1:]), B, c, H, p)
+
+
+def _js_pairs(p: Tensor, h: Tensor) -> Tensor:
+    """Jensen-Shannon divergence between heads, per row: JS = H(m) - (H(p) + H(q)) / 2. (B, c, H, H)
+
+    p: (B, H, c, K) rows (zero off their keys); h: (B, H, c) their entropies. A
+    pair costs one add and one xlogy pass: with n = p + q = 2m,
+    H(m) = -(1/2) sum n log n + (log 2 / 2) sum n, and sum n is the rows' masses.
+    """
+    B, H, c, K = p.shape
+    mass = p.sum(-1)  # (B, H, c)
+
+    def row(i: int) -> Tensor:
+        n = p[:, i + 1:] + p[:, i:i + 1]  # (B, H-i-1, c, K)
+        hm = (math.log(2) * (mass[:, i + 1:] + mass[:, i:i + 1]) - n.xlogy_(n).sum(-1)) / 2  # (B, H-i-1, c)
+        return (hm - (h[:, i + 1:] + h[:, i:i + 1]) / 2).clamp_min(0)
+    return _symmetric(row, B, c, H, p)
+
+
+def _hellinger(p: Tensor, q: Tensor) -> Tensor:
+    """Direct form: 1 - Bhattacharyya coefficient would cancel badly near p = q."""
+    d = p.clamp_min(0).sqrt() - q.clamp_min(0).sqrt()
+    return ((d * d).sum(-1) / 2).sqrt()
+
+
+def _tv(p: Tensor, q: Tensor) -> Tensor:
+    return (p - q).abs().sum(-1) / 2
+
+
+def _aitchison_pairs(clr: Tensor) -> Tensor:
+    """clr: (B, H, c, K) zero off parts -> (B, c, H, H) Aitchison distance."""
+    x = clr.transpose(1, 2)  # (B, c, H, K)
+    sq = (x * x).sum(-1)
+    d2 = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * (x @ x.transpose(-1, -2))
+    return d2.clamp_min(0).sqrt()
+
+
+def _entropy(p: Tensor) -> Tensor:
+    return -torch.xlogy(p, p).sum(-1)
+
+
+def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tuple[str, ...],
+                  convention: str) -> dict[str, Tensor]:
+    """Per-row head x head metrics under one convention. Each (B, c, H, H).
+
+    z, a: (B, H, c, K) scores and weights; sink, valid: broadcastable (B, 1, c|1, K).
+    """
+    p, parts = cp.rows_for(a, sink, valid, convention)
+    p = torch.where(parts, p, torch.zeros((), dtype=p.dtype))  # (B, H, c, K)
+    return row_pairs(p, parts, z, metrics)
+
+
+def row_pairs(p: Tensor, parts: Tensor, z: Tensor, metrics: tuple[str, ...],
+           h: Tensor | None = None) -> dict[str, Tensor]:
+    """The metrics between heads' rows p (B, H, c, K), zero off `parts`; h: their entropies if known."""
+    out = {}
+    for m in metrics:
+        if m == "cosine":
+            out[m] = _cosine_pairs(p)
+        elif m == "hellinger":
+            out[m] = _loop_pairs(p, _hellinger)
+        elif m == "js":
+            out[m] = _js_pairs(p, _entropy(p) if h is None else h)
+        elif m == "tv":
+            out[m] = _loop_pairs(p, _tv)
+        elif m == "aitchison":
+            zz = torch.where(parts, z, torch.zeros((), dtype=z.dtype))
+            out[m] = _aitchison_pairs(cp.clr_log(zz, parts.expand_as(zz)))
+        else:
+            raise ValueError(f"unknown pair metric {m!r}; valid: {', '.join(PAIR_METRICS)}")
+    return out

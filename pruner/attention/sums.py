@@ -1,0 +1,135 @@
+"""Mergeable per-head attention statistics: sums and counts, reduced exactly.
+
+Pure tensor math. The kernel (`pruner.attention.kernel`) turns each chunk of attention
+rows into a `LayerStats` of sums; `LayerStats` add (batches, processes), and `finalize`
+divides once at the end. Because only sums and counts are kept, batch size,
+batch order, padding and query chunking cannot change any statistic.
+
+Definitions (DESIGN section 5):
+
+- head-level rows: non-pad query rows whose query token is not a sink;
+- sink mass, full entropy, dormancy: means over head-level rows;
+- content entropy and CONTENT pairwise metrics: means over head-level rows with
+  >= 2 content keys (the others carry no content information; counted);
+- FULL pairwise metrics: means over all head-level rows;
+- pairwise head x head matrices are within a layer: the mean over the query rows
+  the two heads share (all of them) of the per-row metric. Across layers
+  (`unstack_layers`), every head of the model is compared with every other: the
+  layers see the same query tokens, so stacking all layers' heads on one head
+  axis and running the same `chunk_stats` gives the model-wide matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from pruner.attention import composition as cp
+from pruner.attention.moments import OutputMoments
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LayerStats:
+    """Sums and counts for one layer (float64). Per-head sums are (head,), pairs (head, head)."""
+
+    rows: Tensor            # () head-level rows
+    content_rows: Tensor    # () rows with >= 2 content keys
+    sink_mass: Tensor       # sum s
+    entropy_full: Tensor    # sum H(a)
+    entropy_content: Tensor  # sum H(c) over content rows
+    g: Tensor               # sum H_b(s) + s H(c_S)   (entropy attribution)
+    rest: Tensor            # sum 1 - s
+    rest_h_content: Tensor  # sum (1 - s) H(c)
+    dormant: Tensor         # rows with s >= dormant threshold
+    pairs: dict[str, Tensor] = field(default_factory=dict)  # "metric/convention" -> (head, head) sums
+    outputs: "OutputMoments | None" = None
+
+    def __add__(self, other: "LayerStats") -> "LayerStats":
+        if self.pairs.keys() != other.pairs.keys():
+            raise ValueError("cannot merge statistics with different pairwise metrics")
+        if (self.outputs is None) != (other.outputs is None):
+            raise ValueError("cannot merge statistics with and without output moments")
+        skip = ("pairs", "outputs")
+        kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name not in skip}
+        outputs = None if self.outputs is None else self.outputs + other.outputs
+        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()}, outputs=outputs)
+
+    def to(self, device) -> "LayerStats":
+        """The same sums on `device` (layers of a device_map model live on different devices)."""
+        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in ("pairs", "outputs")}
+        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()},
+                          outputs=None if self.outputs is None else self.outputs.to(device))
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    """Finalised per-head means. Per-head fields: (layer, head); pairs: (layer, head, head)."""
+
+    sink_mass: Tensor
+    entropy_full: Tensor
+    entropy_content: Tensor
+    dormancy: Tensor
+    g: Tensor                 # mean H_b(s) + s H(c_S)
+    rest: Tensor              # mean 1 - s
+    h_content_weighted: Tensor  # sum (1-s) H(c) / sum (1-s): keeps H = g + rest * H(c) exact
+    rows: Tensor              # (layer,) head-level rows
+    content_rows: Tensor      # (layer,)
+    excluded_rows: Tensor     # (layer,) rows with < 2 content keys
+    pairs: dict[str, Tensor]
+    outputs: list[OutputMoments] | None = None  # per layer, sums (see OutputMoments)
+    residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
+    model_pairs: dict[str, Tensor] | None = None  # (layer * head, layer * head), layer-major; see unstack_layers
+
+
+def finalize(layers: list[LayerStats]) -> HeadStats:
+    """Divide the sums by their counts once, after every merge."""
+    if any(float(s.rows) == 0 for s in layers):
+        raise ValueError("no query rows were captured (all padding or sinks?)")
+    bad = [i for i, s in enumerate(layers) if not torch.isfinite(s.sink_mass + s.entropy_full).all()]
+    if bad:
+        raise ValueError(f"attention statistics of layer {bad[0]} are NaN/inf: the model produced non-finite "
+                         "attention logits (half-precision overflow? load it with model.dtype: float32)")
+    st = lambda name: torch.stack([getattr(s, name) for s in layers])  # noqa: E731
+    rows, crows = st("rows"), st("content_rows")
+    safe_c = crows.clamp_min(1)
+    pairs = {}
+    for key in layers[0].pairs:
+        denom = rows if key.endswith(cp.FULL) else safe_c
+        pairs[key] = torch.stack([s.pairs[key] for s in layers]) / denom[:, None, None]
+    per_head = lambda name, d: st(name) / d[:, None]  # noqa: E731
+    return HeadStats(
+        sink_mass=per_head("sink_mass", rows), entropy_full=per_head("entropy_full", rows),
+        entropy_content=per_head("entropy_content", safe_c), dormancy=per_head("dormant", rows),
+        g=per_head("g", rows), rest=per_head("rest", rows),
+        h_content_weighted=st("rest_h_content") / st("rest").clamp_min(1e-300),
+        rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs,
+        outputs=None if layers[0].outputs is None else [s.outputs for s in layers])
+
+
+def unstack_layers(stacked: HeadStats, n_layers: int) -> HeadStats:
+    """Per-layer statistics from one capture whose "layer" held every head of the model.
+
+    `stacked` is `finalize` of a single `LayerStats` over the layer-major stacked
+    head axis (layer * head). Per-head fields become (layer, head); the within-layer
+    pairs are the diagonal blocks (layer, head, head), exactly what a per-layer
+    capture gives; the whole matrices are kept as `model_pairs`.
+    """
+    n = stacked.sink_mass.shape[-1]
+    if stacked.sink_mass.shape[0] != 1 or n % n_layers:
+        raise ValueError(f"expected one stacked layer of layer * head heads, got {tuple(stacked.sink_mass.shape)}")
+    H = n // n_layers
+    per_head = lambda x: x.reshape(n_layers, H)  # noqa: E731
+    per_layer = lambda x: x.expand(n_layers).clone()  # noqa: E731  the same query rows in every layer
+    model_pairs = {k: v[0] for k, v in stacked.pairs.items()}  # (L*H, L*H)
+    blocks = {k: torch.stack([m[i * H:(i + 1) * H, i * H:(i + 1) * H] for i in range(n_layers)])
+              for k, m in model_pairs.items()}
+    return HeadStats(
+        sink_mass=per_head(stacked.sink_mass), entropy_full=per_head(stacked.entropy_full),
+        entropy_content=per_head(stacked.entropy_content), dormancy=per_head(stacked.dormancy),
+        g=per_head(stacked.g), rest=per_head(stacked.rest),
+        h_content_weighted=per_head(stacked.h_content_weighted),
+        rows=per_layer(stacked.rows), content_rows=per_layer(stacked.content_rows),
+        excluded_rows=per_layer(stacked.excluded_rows), pairs=blocks, model_pairs=model_pairs)

@@ -1,0 +1,141 @@
+"""Which form holds a pruned model, and the per-layer form where no vanilla config can say it.
+
+Three layouts, chosen by `layout` (never by the user guessing):
+
+- `dense`     -- pruned heads zeroed, every shape the base model's: a vanilla checkpoint.
+- `vanilla`   -- heads physically removed, described by the family's own config: the
+                 same head count in every layer, a family whose attention reads an
+                 explicit `head_dim` (Llama, Mistral, Qwen2, Qwen3; a Qwen2 config gets
+                 the key written), and a config transformers' validation accepts.
+- `per-layer` -- heads removed where no vanilla config can say it (counts differ
+                 between layers; GPT-2, BERT and GPT-NeoX, whose head width is
+                 hidden / heads; a head count the config rejects; an output-projection
+                 bias the config cannot declare): config.json carries `pruner_format`
+                 and per-layer counts, and `auto_map` points at a copy of pruner's
+                 packaged modeling file (`pruner.checkpoints.modeling`), so
+                 `from_pretrained(folder, trust_remote_code=True)` loads it and
+                 `pruner.load(folder)` loads it with pruner's own copy instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pruner.checkpoints import modeling
+from pruner.checkpoints.storage import CheckpointError
+from pruner.core import arch
+from pruner.pruning import surgery
+
+LAYOUTS = ("dense", "vanilla", "per-layer")
+
+
+def bias_not_in_config(model) -> bool:
+    """Mean compensation gave an output projection a bias the vanilla config cannot declare (Mistral, Qwen2)."""
+    return bool(getattr(model, "_pruner_bias_not_in_config", False))
+
+
+def removed_any(model) -> bool:
+    g = arch.geometry(model)
+    return any(len(v) < g.n_heads for v in surgery.kept_heads(model).values())
+
+
+def head_counts(model) -> tuple[list[int], list[int]]:
+    """Query and key/value heads present in each layer."""
+    g = arch.geometry(model)
+    kept = surgery.kept_heads(model)
+    q = [len(kept[layer]) for layer in range(g.n_layers)]
+    kv = [len({h // g.group_size for h in kept[layer]}) for layer in range(g.n_layers)]
+    return q, kv
+
+
+def _counts_text(model) -> str:
+    q, kv = head_counts(model)
+    g = arch.geometry(model)
+    gqa = g.group_size > 1
+    return ", ".join(f"layer {i}: {a}" + (f"/{b} kv" if gqa else "") for i, (a, b) in enumerate(zip(q, kv)))
+
+
+def vanilla_updates(model) -> dict:
+    """The config keys a vanilla config needs to describe the compact model (uniform counts assumed)."""
+    g = arch.geometry(model)
+    q, kv = head_counts(model)
+    updates = {"head_dim": g.head_dim, "num_attention_heads": q[0]}
+    if hasattr(model.config, "num_key_value_heads"):
+        updates["num_key_value_heads"] = kv[0]
+    return updates
+
+
+def vanilla_reason(model) -> str | None:
+    """Why no vanilla config describes this compact (heads removed) model, or None when one does."""
+    kind = model.config.model_type
+    if bias_not_in_config(model):
+        return f"its output projections have a bias (mean compensation) that the {kind} config cannot declare"
+    if not removed_any(model):
+        return None
+    if not arch.adapter_for(model).explicit_head_dim:
+        return (f"the {kind} config derives the head width from hidden_size / heads, so it cannot describe "
+                "fewer heads of the same width")
+    q, kv = head_counts(model)
+    if len(set(q)) != 1 or len(set(kv)) != 1:
+        return f"its head counts differ between layers ({_counts_text(model)})"
+    try:  # transformers validates configs on save (e.g. Llama's hidden_size % num_attention_heads)
+        type(model.config).from_dict({**model.config.to_dict(), **vanilla_updates(model)})
+    except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
+        why = str(e.__cause__ or e).strip().splitlines()[-1].strip().rstrip(".")  # strict validation wraps the cause
+        return f"transformers rejects a {kind} config with {q[0]} heads: {why}"
+    return None
+
+
+def layout(model, removed: bool) -> tuple[str, str | None]:
+    """(`dense` | `vanilla` | `per-layer`, why not vanilla). `removed`: the heads are physically gone."""
+    if not removed:
+        if bias_not_in_config(model):
+            raise CheckpointError(
+                f"cannot write a dense checkpoint: {vanilla_reason(model)}. Export the compact form instead "
+                "(`--format compact`: it declares that bias and loads with trust_remote_code=True or "
+                "pruner.load), or re-run `pruner prune` with `--set surgery.compensation=refit` (plain weights, "
+                "no bias) or `zero`")
+        return "dense", None
+    reason = vanilla_reason(model)
+    return ("vanilla", None) if reason is None else ("per-layer", reason)
+
+
+def per_layer_config(model):
+    """The packaged per-layer config of an in-memory compact model (base counts + one count per layer)."""
+    cfg, g = model.config, arch.geometry(model)
+    kind = cfg.model_type
+    q, kv = head_counts(model)
+    d = cfg.to_dict()
+    d.pop("model_type", None)
+    d[cfg.attribute_map.get("num_attention_heads", "num_attention_heads")] = g.n_heads
+    d["num_attention_heads_per_layer"] = q
+    if hasattr(cfg, "num_key_value_heads"):
+        d.update(num_key_value_heads=g.n_kv_heads, num_key_value_heads_per_layer=kv, head_dim=g.head_dim)
+    if bias_not_in_config(model):
+        ad = arch.adapter_for(model)
+        d["o_proj_bias_per_layer"] = [arch.get(b, ad.o_proj).bias is not None for b in arch.blocks(model)]
+    d[modeling.FORMAT_KEY] = modeling.FORMAT
+    d["auto_map"] = modeling.auto_map(kind, [type(model).__name__, type(model.base_model).__name__],
+                                      type(cfg).__name__)
+    return modeling.per_layer_class(kind, type(cfg).__name__).from_dict(d)
+
+
+def per_layer_model(model):
+    """The in-memory compact model as pruner's packaged per-layer class, sharing its tensors (no copy)."""
+    config = per_layer_config(model)
+    cls = modeling.per_layer_class(model.config.model_type, type(model).__name__)
+    with torch.device("meta"):
+        new = cls(config)
+    state = model.state_dict()
+    try:
+        new.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # the packaged class and the surgery disagree: a pruner bug, say where
+        raise CheckpointError(f"the per-layer {cls.__name__} does not fit the pruned weights: "
+                              f"{' '.join(str(e).split())[:400]}") from None
+    buffers = dict(model.named_buffers())
+    for name, _ in list(new.named_buffers()):  # non-persistent buffers (rotary frequencies) are not in state
+        owner, _, leaf = name.rpartition(".")
+        setattr(arch.get(new, owner) if owner else new, leaf, buffers[name])
+    if getattr(model, "generation_config", None) is not None:
+        new.generation_config = model.generation_config
+    return new.eval()

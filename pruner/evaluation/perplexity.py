@@ -1,0 +1,182 @@
+"""Perplexity, computed directly (no `evaluate.load`: it fetches scripts from the Hub).
+
+Decoders: token-level perplexity with a strided sliding window, the Hugging Face
+perplexity-guide convention: each window sees up to `length` tokens, only the
+tokens not already scored by the previous window are labelled (the rest are
+context, label -100), and NLL is token-weighted over all windows. With `bos`,
+every window starts with BOS (never a target), so the model always has the
+sink it was trained with.
+
+Comparisons are paired: the unpruned and pruned model are scored on the same
+windows, and the confidence interval of the perplexity change comes from a
+bootstrap over windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.core import distributed
+from pruner.core.bootstrap import percentile_interval, resamples
+from pruner.core.data import DataError, bos_token_id, line_samples, mask_tokens
+from pruner.core.runtime import forward
+
+
+@dataclass(frozen=True)
+class EvalWindows:
+    """input_ids, attention_mask, labels: (window, q_pos); labels -100 off-target."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None = None, *,
+                    bos: bool = True, max_windows: int | None = None) -> EvalWindows:
+    """Strided windows over the concatenated texts (documents joined with EOS)."""
+    stride = stride or length - (1 if bos else 0)
+    body = length - (1 if bos else 0)
+    if not 0 < stride <= body:
+        raise DataError(f"stride must be in [1, {body}], got {stride}")
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] + ([sep] if sep is not None else [])
+    if len(ids) < 2:
+        raise DataError("evaluation text has fewer than 2 tokens")
+    rows, labels = [], []
+    prev_end = 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + body, len(ids))
+        trg = end - prev_end
+        window = ids[begin:end]
+        lab = [-100] * (len(window) - trg) + window[len(window) - trg:]
+        if bos:
+            window, lab = [bos_token_id(tokenizer)] + window, [-100] + lab
+        elif begin == 0:
+            lab[0] = -100  # the very first token has no context
+        rows.append(window)
+        labels.append(lab)
+        prev_end = end
+        if end == len(ids) or (max_windows and len(rows) == max_windows):
+            break
+    width = max(len(r) for r in rows)
+    pad = lambda r, v: r + [v] * (width - len(r))  # noqa: E731
+    ids_t = torch.tensor([pad(r, 0) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return EvalWindows(ids_t, mask, torch.tensor([pad(r, -100) for r in labels]))
+
+
+def masked_lines(tokenizer, texts: list[str], max_length: int, *, num_samples: int | None = None,
+                 seed: int = 0, mask_prob: float = 0.15) -> EvalWindows:
+    """Encoder evaluation: lines with a fixed, seeded BERT masking; labels at the masked tokens."""
+    lines = line_samples(tokenizer, texts, max_length, num_samples=num_samples, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids, labels = mask_tokens(lines.input_ids, lines.attention_mask, tokenizer, mask_prob, g)
+    return EvalWindows(ids, lines.attention_mask, labels)
+
+
+@torch.no_grad()
+def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
+               causal: bool = True):
+    """Per-window summed NLL and target count: (window,) float64 and (window,) int."""
+    nll, count, _ = window_scores(model, windows, batch_size, progress, causal)
+    return nll, count
+
+
+@torch.no_grad()
+def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
+                  causal: bool = True, pool: bool = False):
+    """Per-window NLL sums, target counts and, with `pool`, pooled embeddings — one forward pass.
+
+    Causal LMs predict token t+1 at position t; masked LMs predict each labelled
+    position itself. Embeddings are the mean of the last hidden states over real
+    tokens (sentence-transformers' pooling). Returns (window,) float64, (window,)
+    int, and (window, d) or None.
+    """
+    model.eval()
+    mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)  # several processes
+    nll, count, emb = [], [], []
+    it = range(0, len(mine), batch_size)
+    for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
+        idx = mine[i:i + batch_size]
+        ids, mask, lab = windows.input_ids[idx], windows.attention_mask[idx], windows.labels[idx]
+        out = forward(model, ids, mask, output_hidden_states=pool)
+        if pool:
+            h = out.hidden_states[-1].float()
+            m = mask[..., None].to(h)
+            emb.append(((h * m).sum(1) / m.sum(1)).cpu())
+        logits = out.logits.float()
+        lab = lab.to(logits.device)
+        if causal:
+            logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
+        else:
+            target = lab
+        tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
+                                                reduction="none")  # (B, T')
+        on = target != -100
+        nll.append((tok * on).sum(-1).double().cpu())
+        count.append(on.sum(-1).cpu())
+    cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
+    n = len(windows)
+    return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),
+            distributed.gather_rows(cat(emb), n) if pool else None)
+
+
+def perplexity(nll: torch.Tensor, count: torch.Tensor) -> float:
+    return math.exp(nll.sum().item() / count.sum().item())
+
+
+@dataclass(frozen=True)
+class PairedDelta:
+    """Perplexity of base and pruned on the same windows, the change and its bootstrap CI."""
+
+    base: float
+    pruned: float
+    delta: float
+    ci_low: float
+    ci_high: float
+    windows: int
+    tokens: int
+
+
+def paired_delta(base: tuple[torch.Tensor, torch.Tensor], pruned: tuple[torch.Tensor, torch.Tensor],
+                 n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> PairedDelta:
+    """Change in perplexity with a percentile bootstrap over windows (paired resampling)."""
+    (nb, c), (np_, c2) = base, pruned
+    if not torch.equal(c, c2):
+        raise ValueError("paired comparison needs the same windows")
+    g = torch.Generator().manual_seed(seed)
+    idx = resamples(len(c), n_boot, g)
+    cs = c[idx].sum(-1).double()
+    boot = torch.exp(np_[idx].sum(-1) / cs) - torch.exp(nb[idx].sum(-1) / cs)
+    lo, hi = percentile_interval(boot, level)
+    pb, pp = perplexity(nb, c), perplexity(np_, c)
+    return PairedDelta(pb, pp, pp - pb, lo, hi, len(c), int(c.sum()))
+
+
+def fidelity(base: torch.Tensor, pruned: torch.Tensor) -> float:
+    """Mean cosine between unpruned and pruned pooled embeddings of the same samples (1 = unchanged)."""
+    return torch.nn.functional.cosine_similarity(base, pruned, dim=-1).mean().item()
+
+
+@torch.no_grad()
+def latency_ms(model, windows: EvalWindows, batch_size: int = 8, repeats: int = 3) -> float:
+    """Median wall time (ms) of one forward pass over one evaluation batch."""
+    import time
+
+    ids, mask = windows.input_ids[:batch_size], windows.attention_mask[:batch_size]
+    forward(model, ids, mask)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        forward(model, ids, mask)
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]

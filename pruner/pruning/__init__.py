@@ -1,0 +1,1 @@
+"""Pruning: calibration, head scores, selection, surgery (mask / remove) and compensation (mean / refit)."""

@@ -1,0 +1,167 @@
+"""Calibration plumbing: one capture pass (+ optional gradient pass) -> `ScoringInputs`.
+
+This is the only place scoring touches the model: everything a scorer reads is
+computed here once, so every attention-based scorer reuses one capture pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.attention import moments
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sinks import SinkSpec
+from pruner.core import arch, distributed, precision, resume
+from pruner.core.data import TokenBatch, mask_tokens
+from pruner.core.runtime import attends_causally, forward
+from pruner.pruning.scoring import ScoringInputs, cross_energy
+
+
+def head_grams(model) -> torch.Tensor:
+    """W_O,h^T W_O,h per head: (layer, head, d_head, d_head), float64 (the diagonal blocks of `layer_grams`)."""
+    return _diagonal_blocks(layer_grams(model), arch.geometry(model))
+
+
+def _diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
+    L, H, D = g.n_layers, g.n_heads, g.head_dim
+    return torch.diagonal(grams.view(L, H, D, H, D), dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous()
+
+
+def layer_grams(model) -> torch.Tensor:
+    """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float64.
+
+    Products in float32 (bfloat16 weights: on bfloat16 / TF32 units, exact products), summed
+    in a fixed order (`stats.gram`): float64 products cost d_model x (H*d_head)^2 per
+    layer, seconds for a 1B model, for a precision (~1e-7) no score needs. Computed where
+    each layer's weights live, returned on the CPU beside the captured statistics.
+    """
+    g = arch.geometry(model)
+    out = []
+    for layer in range(g.n_layers):
+        w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
+        with precision.matmul_precision(w.dtype == torch.bfloat16):
+            out.append(moments.gram(w.float(), g.n_heads).double().cpu())
+    return torch.stack(out)
+
+
+def weight_norms(model) -> torch.Tensor:
+    """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)
+
+    On the CPU, whatever device the model is on (scores live beside the captured statistics)."""
+    g = arch.geometry(model)
+    sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
+    rows = []
+    for layer in range(g.n_layers):
+        q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
+        o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
+        per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
+        q_sq = per_head(sq(q), g.n_heads)
+        kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
+        o_sq = per_head(sq(o.t()), g.n_heads)
+        rows.append((q_sq + kv_sq + o_sq).sqrt().cpu())
+    return torch.stack(rows)
+
+
+def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token NLL over real tokens (the first token of a window is never a target).
+
+    Computed here in the model's own dtype (transformers' loss upcasts to float32,
+    which would hide the gradient check's precision in float64).
+    """
+    logits = forward(model, input_ids, attention_mask).logits[:, :-1]  # (B, T-1, V)
+    target = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100).to(logits.device)
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+
+
+def mlm_loss(model, masked_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor):
+    """Masked-LM loss of inputs already masked (`pruner.core.data.mask_tokens`): the encoders' gradient loss."""
+    logits = forward(model, masked_ids, attention_mask).logits
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.to(logits.device), ignore_index=-100)
+
+
+def _lm_example_loss(model, batch: TokenBatch, i: int) -> torch.Tensor:
+    return lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
+
+
+def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=_lm_example_loss,
+                        checkpoints: resume.Checkpoints = resume.NONE) -> torch.Tensor:
+    """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
+
+    One example (window) per backward pass, so the absolute value is taken per
+    example, and the mask gradient is zeroed every time (the old bertology script
+    accumulated signed gradients across a batch). A mask xi_h multiplies each
+    head's slice at the output projection's input; its gradient at xi = 1 is the
+    importance. Michel et al. normalise each layer's scores by their l2 norm.
+    `loss_fn(model, batch, i)` is example i's loss. With several processes each
+    takes every world-th example and the sums are added in rank order. With
+    `checkpoints`, the sum and the example cursor are saved as stage `gradient`.
+    """
+    ad, g = arch.adapter_for(model), arch.geometry(model)
+    xi = torch.ones(g.n_layers, g.n_heads, requires_grad=True)
+    hooks = [arch.get(block, ad.o_proj).register_forward_pre_hook(
+        lambda m, args, layer=layer: (args[0] * xi[layer].repeat_interleave(g.head_dim).to(args[0])[None, None],)
+        + tuple(args[1:])) for layer, block in enumerate(arch.blocks(model))]
+    total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    mine = distributed.shard_indices(len(batch))
+    saved = checkpoints.load("gradient")
+    done = 0 if saved is None else saved["cursor"]
+    if saved is not None:
+        total = saved["total"]
+    was_training = model.training
+    model.eval()
+    frozen = [w for w in model.parameters() if w.requires_grad]  # only xi's gradient is needed: weight
+    for w in frozen:  # gradients would cost a model-sized .grad and a third of each backward
+        w.requires_grad_(False)
+    try:
+        it = mine[done:]
+        it = tqdm(it, total=len(mine), initial=done, desc="gradient", unit="window") if progress else it
+        for k, i in enumerate(it, start=done + 1):
+            xi.grad = None
+            loss = loss_fn(model, batch, i)
+            loss.backward()
+            total += xi.grad.detach().abs().double()
+            checkpoints.step("gradient", k, lambda: {"cursor": k, "total": total.clone()})
+        model.zero_grad(set_to_none=True)
+        checkpoints.finish("gradient", lambda: {"cursor": len(mine), "total": total.clone()})
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+        for w in frozen:
+            w.requires_grad_(True)
+    total = distributed.sum_in_rank_order(total)
+    return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
+              config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
+              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3,
+              checkpoints: resume.Checkpoints = resume.NONE) -> ScoringInputs:
+    """Everything the scorers need, from one capture pass (and one gradient pass if asked).
+
+    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
+    With `checkpoints` both passes save their sums now and then and resume from them.
+    """
+    if not config.outputs:
+        raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
+    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress,
+                          checkpoints=checkpoints)
+    grad = None
+    if gradient:
+        if attends_causally(model):
+            loss_fn = _lm_example_loss
+        elif hasattr(model, "cls") or hasattr(model, "lm_head"):
+            g = torch.Generator().manual_seed(seed)  # one stream over the examples, drawn up front: the
+            masked = [mask_tokens(batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], tokenizer, 0.15, g)
+                      for i in range(len(batch))]  # same masks whichever process scores an example
+            loss_fn = lambda m, b, i: mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])  # noqa: E731
+        else:
+            raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+        grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
+    grams = layer_grams(model)
+    intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
+    return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
+                         weight_norm=weight_norms(model), gradient=grad, seed=seed,
+                         cross=cross_energy(stats.outputs, grams),
+                         layer_gram=grams, intercept=intercept, ridge=ridge)

@@ -1,0 +1,176 @@
+"""Refit compensation: the kept heads' output-projection columns take over what the pruned ones wrote.
+
+Pure float64 tensor math (DESIGN section 8.1); `pruner.pruning.surgery` does the plumbing.
+
+Per layer, x (D,) is the output projection's input (D = heads * d_head, the
+concatenated head outputs), W (d_model, D) the projection, P / K the channels of
+the pruned / kept heads. From calibration sums we have the mean mu = E[x] and the
+second moment M = E[x x^T]. Pruning P with a refit replaces
+
+    W_K <- W_K + W_P A^T,    A = (S_KK + lam I)^-1 S_KP,
+
+the ridge regression of the pruned channels on the kept ones, so the layer keeps
+writing W_P A^T x_K ~ W_P x_P:
+
+- with an intercept (the projection has a bias), S is the covariance
+  M - mu mu^T and the bias takes the constant, b <- b + W_P (mu_P - A^T mu_K);
+  A = 0 is mean compensation, so refit is never worse on the calibration data;
+- without one, S = M (uncentred) and the bias is untouched: the kept heads'
+  sink channels (nearly the same vector for every query) play the constant.
+
+What the kept heads cannot rebuild is the Schur-complement energy
+
+    E(P) = tr(W_P (S_PP - S_PK (S_KK + lam I)^-1 S_KP) W_P^T),
+
+the minimum of the ridge objective E||W_P (x_P - A^T x_K)||^2 + lam ||W_P A^T||_F^2:
+the cost of pruning P under refit, which `System` evaluates for any P cheaply
+from one inverse per layer.
+
+lam = ridge x the mean diagonal of the layer's S: scale-free, fixed per layer (so
+the scorer and the fit agree for every P), and it keeps S_KK + lam I positive
+definite whenever the layer writes anything. Kept heads that write nothing have
+S_KP = 0, so A = 0 (mean compensation with an intercept, none without): a
+documented fallback, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+MAX_CONDITION = 1e12  # beyond this the solve loses more than 4 of float64's 16 digits
+
+
+class RefitError(ValueError):
+    """A refit that cannot be computed reliably; the message says what to change."""
+
+
+def second_moment(o: Tensor, joint: Tensor, tokens: Tensor | float, intercept: bool) -> tuple[Tensor, Tensor]:
+    """(mu (D,), S (D, D)) from sums: S = covariance with an intercept, the uncentred moment without.
+
+    o: (heads, d_head) or (D,) sum of x; joint: (D, D) sum of x x^T; tokens: count.
+    """
+    n = float(tokens)
+    mu = o.reshape(-1).double() / n
+    s = joint.double() / n
+    if intercept:
+        s = s - torch.outer(mu, mu)
+    return mu, (s + s.t()) / 2  # exact symmetry: the sums are symmetric up to rounding
+
+
+def ridge_lambda(s: Tensor, ridge: float) -> float:
+    """lam = ridge x mean diagonal of the layer's S (0 when the layer writes nothing)."""
+    return ridge * float(torch.diagonal(s).mean().clamp_min(0))
+
+
+def check_tokens(tokens: int, channels: int, layer: int) -> None:
+    """Refit needs at least as many calibration tokens as channels, or S is rank-deficient by construction."""
+    if tokens < channels:
+        raise RefitError(f"refit compensation of layer {layer} fits {channels} output-projection channels from only "
+                         f"{tokens} calibration tokens; use at least {channels} tokens (calibration.num_samples x "
+                         "calibration.length; ten times as many is better) or surgery.compensation: mean")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One layer's refit. delta_w touches only the kept columns (surgery zeroes / removes the pruned ones)."""
+
+    delta_w: Tensor            # (d_model, D) float64
+    delta_b: Tensor | None     # (d_model,) float64; None without an intercept
+    unexplained: float         # E(P): the energy the kept heads cannot rebuild
+    pruned: float              # tr(W_P S_PP W_P^T): what the pruned heads wrote (E(P) with A = 0)
+    lam: float
+
+
+def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, layer: int = 0) -> Fit:
+    """Refit one layer. w: (d_model, D); mu: (D,) or None (no intercept); s: (D, D); pruned: (D,) bool channels.
+
+    The intercept is fitted exactly when `mu` is given (then `s` must be the covariance).
+    Errors (RefitError, one line) for non-finite moments, a layer left without channels,
+    or a singular / ill-conditioned system (ridge 0, or too small for this data).
+    """
+    w = w.double()
+    if not (torch.isfinite(s).all() and (mu is None or torch.isfinite(mu).all())):
+        raise RefitError(f"refit compensation of layer {layer}: the calibration moments are NaN/inf (the model "
+                         "produced non-finite activations; load it in float32)")
+    P, K = pruned.nonzero().flatten(), (~pruned).nonzero().flatten()
+    if len(K) == 0:
+        raise RefitError(f"refit compensation of layer {layer}: every head is pruned, nothing is left to refit onto")
+    lam = ridge_lambda(s, ridge)
+    delta_w = torch.zeros_like(w)
+    w_p = w[:, P]  # (d_model, |P|)
+    if len(P) == 0:
+        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=w.dtype), 0.0, 0.0, lam)
+    s_pp, s_kp = s[P][:, P], s[K][:, P]
+    pruned_energy = float(((w_p @ s_pp) * w_p).sum())
+    if silent(mu, s):  # the layer writes nothing (or only a constant): nothing to regress
+        a = torch.zeros(len(K), len(P), dtype=w.dtype)
+    else:
+        a = _solve(s[K][:, K] + lam * torch.eye(len(K), dtype=w.dtype), s_kp, layer, ridge)
+    delta_w[:, K] = w_p @ a.t()
+    unexplained = float(((w_p @ (s_pp - s_kp.t() @ a)) * w_p).sum())
+    delta_b = None if mu is None else w_p @ (mu[P] - a.t() @ mu[K])
+    return Fit(delta_w, delta_b, max(unexplained, 0.0), pruned_energy, lam)
+
+
+def _solve(t_kk: Tensor, s_kp: Tensor, layer: int, ridge: float) -> Tensor:
+    """(S_KK + lam I)^-1 S_KP through a Cholesky factor, refusing singular or ill-conditioned systems."""
+    eig = torch.linalg.eigvalsh(t_kk)
+    if not eig[0] > 0:
+        raise RefitError(f"refit compensation of layer {layer}: the kept heads' second moment is singular "
+                         f"(ridge {ridge:g}); set surgery.ridge > 0 (e.g. 1e-3)")
+    cond = float(eig[-1] / eig[0])
+    if cond > MAX_CONDITION:
+        raise RefitError(f"refit compensation of layer {layer}: the system is ill-conditioned (condition number "
+                         f"{cond:.1e} with ridge {ridge:g}); raise surgery.ridge (e.g. 1e-3)")
+    chol = torch.linalg.cholesky(t_kk)
+    return torch.cholesky_solve(s_kp, chol)
+
+
+@dataclass(frozen=True)
+class System:
+    """One layer's refit system for scoring many pruned sets: E(P) from one inverse.
+
+    With T = S + lam I, the Schur complement of T_KK in T is ((T^-1)_PP)^-1, and it
+    equals S's ridge Schur complement + lam I, so
+    E(P) = tr(G_PP (((T^-1)_PP)^-1 - lam I)), G = W^T W: one |P| x |P| inverse per set.
+    A silent layer (it writes nothing, or only a constant that the intercept takes) costs nothing.
+    """
+
+    gram: Tensor               # (D, D) W^T W
+    precision: Tensor | None   # (D, D) (S + lam I)^-1; None for a silent layer
+    lam: float
+    error: str | None = None   # why no precision could be computed (raised when the system is used)
+
+    def unexplained(self, pruned: Tensor) -> float:
+        """E(P) for a (D,) boolean channel set."""
+        if self.error:
+            raise RefitError(self.error)
+        P = pruned.nonzero().flatten()
+        if len(P) == 0 or self.precision is None:
+            return 0.0
+        schur = torch.linalg.inv(self.precision[P][:, P]) - self.lam * torch.eye(len(P), dtype=self.gram.dtype)
+        return max(float((self.gram[P][:, P] * schur).sum()), 0.0)
+
+
+def system(w_gram: Tensor, mu: Tensor | None, s: Tensor, ridge: float, layer: int = 0) -> System:
+    """The layer's `System` from W^T W (D, D), and mu / S as `fit_layer` takes them."""
+    if silent(mu, s):
+        return System(w_gram.double(), None, 0.0)
+    lam = ridge_lambda(s, ridge)
+    t = s.double() + lam * torch.eye(s.shape[0], dtype=torch.float64)
+    chol, info = torch.linalg.cholesky_ex(t)
+    if info:  # only a scorer that reads it fails: the other scorers do not need it
+        return System(w_gram.double(), None, lam, f"refit-aware scoring of layer {layer}: the heads' second moment "
+                      f"is singular (ridge {ridge:g}); set surgery.ridge > 0 (e.g. 1e-3)")
+    return System(w_gram.double(), torch.cholesky_inverse(chol), lam)
+
+
+def silent(mu: Tensor | None, s: Tensor) -> bool:
+    """The layer writes nothing a regression can use: S's diagonal is 0 (up to float64 rounding of
+    M - mu mu^T, judged against the raw second moment)."""
+    var = float(torch.diagonal(s).mean())
+    scale = var + (0.0 if mu is None else float((mu.double() ** 2).mean()))
+    return var <= 1e-12 * scale

@@ -1,0 +1,250 @@
+"""Head scorers in one registry: importance per head, higher = keep. Pure tensor math.
+
+Every scorer reads a `ScoringInputs` (built once by `pruner.pruning.calibrate`) and the
+current `alive` mask, and returns importance (layer, head). Scorers whose score
+depends on which heads survive (redundancy) are `adaptive`: selection re-scores
+after every removal. Baselines live here beside the sink-aware scorer, so every
+comparison runs through one code path.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pruner.attention import composition as cp
+from pruner.attention.sums import HeadStats
+from pruner.pruning import refit
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ScoringInputs:
+    """Everything a scorer may read. Shapes: (layer, head) unless stated."""
+
+    stats: HeadStats            # captured statistics, with output moments
+    gram: Tensor                # (layer, head, d_head, d_head): W_O,h^T W_O,h
+    weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
+    gradient: Tensor | None = None  # Michel importance, when computed
+    seed: int = 0
+    cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
+    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of each whole projection
+    intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
+    ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
+    _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
+
+    def refit_systems(self) -> list[refit.System]:
+        """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
+        Cholesky factor and inverse per layer, which scorers that do not need it never pay for)."""
+        if self.layer_gram is None:
+            raise ValueError("the refit-aware scorer needs the layers' W_O^T W_O (pruner.pruning.calibrate computes it)")
+        if not self._systems:
+            for layer, (m, gram, icpt) in enumerate(zip(self.stats.outputs, self.layer_gram, self.intercept)):
+                mu, s = refit.second_moment(m.o, m.joint, m.tokens, icpt)
+                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, layer))
+        return self._systems
+
+
+@dataclass(frozen=True)
+class Scorer:
+    name: str
+    fn: Callable[[ScoringInputs, Tensor, str], Tensor]
+    adaptive: bool = False      # re-score among survivors after every removal
+    needs_gradient: bool = False
+    convention: str | None = None  # the convention a redundancy scorer compares heads under
+    doc: str = ""
+    reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
+
+    def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
+        return self.fn(inputs, alive, convention or self.convention)
+
+
+# --------------------------------------------------------------------------- output-side quantities
+
+def _moments(inputs: ScoringInputs):
+    """Per layer mean and covariance of o, u (sink channel) and w (content channel)."""
+    out = []
+    for m in inputs.stats.outputs:
+        n = m.tokens
+        mean = {k: getattr(m, k) / n for k in ("o", "u", "w")}  # (H, d)
+        cov = {k: getattr(m, k + k) / n - torch.einsum("hd,he->hde", mean[k], mean[k]) for k in ("o", "u", "w")}
+        out.append((mean, cov))
+    return out
+
+
+def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
+    """E||W_O,h (x - E x)||^2 for x = o, u, w: the variation each head writes. Each (layer, head).
+
+    With mean compensation, pruning head h perturbs the residual stream by exactly
+    W_O,h (o_h - E o_h): `o` is that perturbation's energy, `u` the part of it in
+    the sink channel, `w` the part in the content channel (o = u + w).
+    """
+    res = {k: [] for k in ("o", "u", "w")}
+    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+        for k in res:
+            res[k].append(torch.einsum("hde,hed->h", g, cov[k]))
+    return {k: torch.stack(v).clamp_min(0) for k, v in res.items()}
+
+
+def cross_energy(outputs: list, o_gram: Tensor) -> Tensor:
+    """K[l, h, g] = E[(W_h (o_h - E o_h)) . (W_g (o_g - E o_g))]. (layer, head, head)
+
+    The energy of pruning a set P of heads of a layer with mean compensation is
+    exactly sum_{h, g in P} K[h, g]: K's diagonal is each head's own fluctuation,
+    its off-diagonal the interaction of two heads' deviations (positive when they
+    carry the same signal, so removing both costs more than the sum).
+    """
+    out = []
+    for m, gram in zip(outputs, o_gram):  # o_gram: (layer, H*d_head, H*d_head) W_O^T W_O
+        mean = (m.o / m.tokens).reshape(-1)
+        cov = m.joint / m.tokens - torch.outer(mean, mean)  # (D, D), D = H * d_head
+        H = m.o.shape[0]
+        prod = (gram * cov).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
+        out.append(prod.sum(dim=(1, 3)))
+    return torch.stack(out)
+
+
+def _flap(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """FLAP: per channel variance around the calibration mean x squared column norm, summed per head."""
+    rows = []
+    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+        var = torch.diagonal(cov["o"], dim1=-2, dim2=-1)  # (H, d)
+        col_sq = torch.diagonal(g, dim1=-2, dim2=-1)      # ||W_O[:, c]||^2
+        rows.append((var * col_sq).sum(-1))
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------- redundancy
+
+def _max_similarity(sim: Tensor, alive: Tensor) -> Tensor:
+    """Each head's highest similarity to another *alive* head of its layer. (layer, head)."""
+    H = sim.shape[-1]
+    other = alive[:, None, :] & ~torch.eye(H, dtype=torch.bool)[None]
+    return torch.where(other, sim, torch.full_like(sim, float("-inf"))).amax(-1).clamp_min(0)
+
+
+def _redundancy(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor:
+    """Greedy redundancy: a head nearly identical to a surviving head is least important."""
+    return -_max_similarity(inputs.stats.pairs[f"cosine/{convention}"], alive)
+
+
+def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor:
+    """Unique signal per head: what pruning it would still change, weighted by its content share.
+
+    Importance of head h in layer l, given the heads already pruned there (P):
+    (K[h, h] + 2 sum_{g in P} K[h, g]) x (1 - s_h) / R_l, with K the cross energy.
+
+    - Mean compensation folds E[W_O,h o_h] -- mostly the sink channel, which
+      writes nearly the same vector for every query -- into the bias, so what
+      pruning costs is the energy of the deviation W_O,h (o_h - E o_h).
+    - Heads pruned from one layer interact: K's cross terms add the covariance of
+      their deviations, so two heads carrying the same signal (output-space
+      twins) cost more together and the greedy selection, which re-scores after
+      every removal, does not take both.
+    - (1 - s_h), the content share of the head's attention, discounts heads whose
+      deviation is mostly the sink channel's (s varying row to row along the
+      single direction of the sink's value) rather than content.
+    - / R_l, the mean squared norm of the residual stream the layer writes into:
+      what later layers (behind their norms) see is the perturbation *relative*
+      to the stream. Without it, early heads of small models, whose stream is
+      tiny, look unimportant and get pruned first (catastrophic on the
+      from-scratch Llama: +41 instead of +6 perplexity at 25% on the dev split).
+    The choice is made with evidence (eval/scorer_study.py on a development
+    split): see the README's scorer section.
+    """
+    if inputs.cross is None:
+        raise ValueError("the sink-aware scorer needs the cross energy (pruner.pruning.calibrate computes it)")
+    k = inputs.cross
+    pruned = (~alive).to(k.dtype)
+    marginal = torch.diagonal(k, dim1=-2, dim2=-1) + 2 * torch.einsum("lhg,lg->lh", k, pruned)
+    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(k.shape[0])
+    return marginal * (1 - inputs.stats.sink_mass) / residual.to(k.dtype)[:, None]
+
+
+def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
+    """Marginal refit cost of pruning each alive head next: E_l(P_l + h) - E_l(P_l). (layer, head)
+
+    E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
+    heads already pruned; pruned heads get 0.
+    """
+    L, H = alive.shape
+    out = torch.zeros(L, H, dtype=torch.float64)
+    for layer, sys in enumerate(inputs.refit_systems()):
+        d = sys.gram.shape[0] // H
+        pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
+        base = sys.unexplained(pruned)
+        for h in alive[layer].nonzero().flatten().tolist():
+            with_h = pruned.clone()
+            with_h[h * d:(h + 1) * d] = True
+            out[layer, h] = sys.unexplained(with_h) - base
+    return out
+
+
+def _refit_energy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """What refit compensation cannot recover if the head goes next, relative to the residual stream.
+
+    Importance of head h in layer l, given the heads P already pruned there:
+    (E_l(P + h) - E_l(P)) / R_l, with E_l(P) = tr(W_P (S_PP - S_PK (S_KK + lam I)^-1 S_KP) W_P^T)
+    the energy the kept heads' refitted columns cannot rebuild (DESIGN section 8.1).
+    A head is cheap exactly when the other heads of its layer -- their sink channels
+    included, which write a near-constant vector -- reconstruct its output: literal
+    redundancy, and dormant near-constant heads. Greedy and re-scored after every
+    removal, since what the kept heads can rebuild depends on which are kept.
+    R_l is the sink-aware scorer's residual normalisation (a common cross-layer scale).
+    """
+    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(alive.shape[0])
+    return refit_costs(inputs, alive) / residual.double()[:, None]
+
+
+def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Full-row entropy (bertology style): the lowest-entropy heads go first."""
+    return inputs.stats.entropy_full
+
+
+def _magnitude(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    return inputs.weight_norm
+
+
+def _gradient(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    if inputs.gradient is None:
+        raise ValueError("the gradient scorer needs gradient importance (calibrate with gradient=True)")
+    return inputs.gradient
+
+
+def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    g = torch.Generator().manual_seed(inputs.seed)
+    return torch.rand(alive.shape, generator=g, dtype=torch.float64)
+
+
+SCORERS: dict[str, Scorer] = {s.name: s for s in [
+    Scorer("sink-aware", _sink_aware, adaptive=True,
+           doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
+               "relative to the residual stream", reads="sink and content channels separated (no convention)"),
+    Scorer("refit-energy", _refit_energy, adaptive=True,
+           doc="what refit compensation cannot rebuild if the head goes next (Schur-complement energy), "
+               "relative to the residual stream", reads="head outputs (no attention rows)"),
+    Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
+           doc="greedy redundancy on full rows (sink included): the naive baseline"),
+    Scorer("content-cosine", _redundancy, adaptive=True, convention=cp.CONTENT,
+           doc="greedy redundancy on content rows only (sink separated, then ignored)"),
+    Scorer("entropy", _entropy, doc="full-row attention entropy, lowest first", reads="full rows (sink included)"),
+    Scorer("gradient", _gradient, needs_gradient=True, doc="Michel et al. 2019: E|dL/d mask_h|",
+           reads="loss gradients (no attention rows)"),
+    Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices", reads="weights (no attention rows)"),
+    Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm",
+           reads="head outputs (no attention rows)"),
+    Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
+]}
+
+
+def get_scorer(name: str) -> Scorer:
+    """A registered scorer; an unknown name lists the valid ones and suggests the nearest."""
+    if name in SCORERS:
+        return SCORERS[name]
+    near = difflib.get_close_matches(name, SCORERS, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ValueError(f"unknown scorer {name!r}{hint}; valid: {', '.join(SCORERS)}")

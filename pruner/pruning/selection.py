@@ -1,0 +1,228 @@
+"""Greedy head selection with budgets, per-layer minimums and GQA constraints; the plan.
+
+Selection removes one *unit* at a time — a head, or under GQA a set of heads
+that keeps the layer valid — the one with the lowest importance, and re-scores
+among the survivors when the scorer is adaptive. Re-scoring is what makes it
+twin-aware: once one of two near-identical heads is gone, the other is no longer
+redundant, so both are never removed together. Ties break by (layer, head), so
+selection is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from pruner.attention import composition as cp
+from pruner.core.arch import Geometry
+from pruner.pruning.scoring import Scorer, ScoringInputs
+
+GQA_MODES = ("equal", "group")
+
+
+class SelectionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """What to prune. `target`: a fraction of all heads (0 < t < 1) or a head count (>= 1)."""
+
+    target: float = 0.25
+    budget: str = "global"        # "global" | "layer"
+    min_heads_per_layer: int = 1
+    gqa: str = "equal"            # "equal" query heads per KV group | whole KV "group"s
+
+    def count(self, n_total: int) -> int:
+        n = round(self.target * n_total) if self.target < 1 else int(self.target)
+        return n
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    layer: int
+    head: int
+    step: int
+    score: float
+    twin: int | None
+    twin_similarity: float | None
+    sink_mass: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which heads to prune, in selection order, and what the selection saw.
+
+    `entries` (score, sink mass and nearest surviving twin of every pruned head)
+    is what plan.json holds. A plan made by `pruner.plan` also carries the model's
+    geometry, the convention sensitivity, every head's sink mass and the calibration
+    it was made from (`calibration`, a ScoringInputs: what compensation needs);
+    a plan read back from plan.json has none of those.
+    """
+
+    scorer: str
+    convention: str | None
+    target: int
+    entries: list[PlanEntry] = field(default_factory=list)
+    geometry: Geometry | None = field(default=None, compare=False)
+    sensitivity: "Sensitivity | None" = field(default=None, compare=False)
+    sink_mass: torch.Tensor | None = field(default=None, compare=False, repr=False)  # (layer, head)
+    calibration: ScoringInputs | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def heads(self) -> dict[int, list[int]]:
+        """{layer: [head, ...]}, original head numbering, layers and heads sorted."""
+        out: dict[int, list[int]] = {}
+        for e in self.entries:
+            out.setdefault(e.layer, []).append(e.head)
+        return {k: sorted(v) for k, v in sorted(out.items())}
+
+    def to_dict(self) -> dict:
+        """plan.json's content (floats to 10 significant digits)."""
+        return json.loads(self.to_json())
+
+    def to_json(self) -> str:
+        """Byte-stable JSON: floats to 10 significant digits, because sums over a different
+        number of threads differ in the last bits and the plan must not."""
+        sig = lambda x: x if not isinstance(x, float) else float(f"{x:.10g}")  # noqa: E731
+        entries = [{k: sig(v) for k, v in asdict(e).items()} for e in self.entries]
+        return json.dumps({"scorer": self.scorer, "convention": self.convention, "target": self.target,
+                           "pruned": len(self.entries), "heads": {str(k): v for k, v in self.heads.items()},
+                           "entries": entries}, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """A plan read back from plan.json (no calibration: `zero` compensation only)."""
+        try:
+            entries = [PlanEntry(**e) for e in d["entries"]]
+            return cls(d["scorer"], d["convention"], d["target"], entries)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a pruner plan (plan.json): {e}") from None
+
+    def __repr__(self) -> str:
+        total = f"/{self.geometry.n_layers * self.geometry.n_heads}" if self.geometry else ""
+        per_layer = ", ".join(f"{k}: {len(v)}" for k, v in self.heads.items())
+        conv = f", {self.convention} convention" if self.convention else ""
+        sens = ""
+        if self.sensitivity is not None:
+            whose = "" if self.convention else " (of the cosine plan)"
+            sens = f"; {self.sensitivity.changed} heads change under the other convention{whose}"
+        return f"Plan({self.scorer}{conv}: {len(self.entries)}{total} heads; per layer {{{per_layer}}}{sens})"
+
+
+def _units(alive: torch.Tensor, scores: torch.Tensor, geom: Geometry, cfg: SelectionConfig,
+           layer_quota: list[int] | None) -> list[tuple[float, int, list[int]]]:
+    """Candidate removals: (mean score, layer, heads), each keeping every constraint."""
+    units = []
+    gs = geom.group_size
+    for layer in range(geom.n_layers):
+        heads = alive[layer].nonzero().flatten().tolist()
+        if gs == 1:
+            cands = [[h] for h in heads]
+        elif cfg.gqa == "group":
+            groups = sorted({h // gs for h in heads})
+            cands = [[h for h in heads if h // gs == k] for k in groups]
+        else:  # one head from every kept group: the lowest-scored one in each
+            groups = sorted({h // gs for h in heads})
+            pick = [min((h for h in heads if h // gs == k), key=lambda h: (scores[layer, h].item(), h))
+                    for k in groups]
+            # a group left with one head cannot lose it without emptying the group
+            cands = [pick] if all(sum(1 for h in heads if h // gs == k) > 1 for k in groups) else []
+        for c in cands:
+            if len(heads) - len(c) < cfg.min_heads_per_layer:
+                continue
+            if layer_quota is not None and layer_quota[layer] < len(c):
+                continue
+            units.append((scores[layer, c].mean().item(), layer, c))
+    return units
+
+
+def check_target(geom: Geometry, cfg: SelectionConfig) -> tuple[int, list[int] | None]:
+    """The number of heads to prune (and per-layer quotas), or a SelectionError saying why not.
+
+    Depends only on the geometry, so pipelines call it before any calibration compute.
+    """
+    n_total = geom.n_layers * geom.n_heads
+    target = cfg.count(n_total)
+    if target <= 0:
+        raise SelectionError(f"selection.target {cfg.target:g} selects 0 of {n_total} heads; use at least "
+                             f"{1 / n_total:.3g} (one head) or a head count")
+    spare = geom.n_heads - cfg.min_heads_per_layer
+    if spare <= 0:
+        raise SelectionError(f"selection.min_heads_per_layer={cfg.min_heads_per_layer} keeps all {geom.n_heads} "
+                             "heads of every layer: nothing can be pruned")
+    if target > spare * geom.n_layers:
+        raise SelectionError(f"selection.target asks for {target} of {n_total} heads, but keeping "
+                             f"min_heads_per_layer={cfg.min_heads_per_layer} in each of {geom.n_layers} layers "
+                             f"leaves at most {spare * geom.n_layers} prunable; lower the target")
+    if cfg.budget != "layer":
+        return target, None
+    per = target // geom.n_layers
+    return target, [per + (1 if layer < target - per * geom.n_layers else 0) for layer in range(geom.n_layers)]
+
+
+def select(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig,
+           convention: str | None = None) -> Plan:
+    """Greedy selection of heads to prune; returns the plan in removal order."""
+    target, quota = check_target(geom, cfg)
+    alive = torch.ones(geom.n_layers, geom.n_heads, dtype=torch.bool)
+    conv = convention or scorer.convention
+    scores = scorer(inputs, alive, conv).to(torch.float64)
+    entries: list[PlanEntry] = []
+    while len(entries) < target:
+        units = [u for u in _units(alive, scores, geom, cfg, quota) if len(entries) + len(u[2]) <= target]
+        if not units:
+            break
+        score, layer, heads = min(units, key=lambda u: (u[0], u[1], u[2]))
+        for h in heads:
+            twin, sim = _twin(inputs, alive, layer, h, conv)
+            entries.append(PlanEntry(layer, h, len(entries), float(scores[layer, h]), twin, sim,
+                                     float(inputs.stats.sink_mass[layer, h])))
+            alive[layer, h] = False
+        if quota is not None:
+            quota[layer] -= len(heads)
+        if scorer.adaptive:
+            scores = scorer(inputs, alive, conv).to(torch.float64)
+    if not entries:
+        raise SelectionError("no head could be selected under the constraints")
+    return Plan(scorer.name, conv if scorer.adaptive else None, target, entries)
+
+
+def _twin(inputs: ScoringInputs, alive: torch.Tensor, layer: int, head: int, convention: str | None):
+    """The head's nearest surviving neighbour (cosine, the scorer's convention or CONTENT)."""
+    sim = inputs.stats.pairs.get(f"cosine/{convention or cp.CONTENT}")
+    if sim is None:
+        return None, None
+    row = sim[layer, head].clone()
+    mask = alive[layer].clone()
+    mask[head] = False
+    if not mask.any():
+        return None, None
+    row[~mask] = float("-inf")
+    j = int(row.argmax())
+    return j, float(row[j])
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """How many selected heads change if the other convention is used, and which."""
+
+    convention: str
+    other: str
+    changed: int
+    only_this: list[tuple[int, int]]
+    only_other: list[tuple[int, int]]
+
+
+def convention_sensitivity(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig,
+                           plan: Plan) -> Sensitivity | None:
+    """Re-select under the other convention (redundancy scorers only) and diff the head sets."""
+    if not scorer.adaptive or plan.convention is None:
+        return None
+    other = cp.CONTENT if plan.convention == cp.FULL else cp.FULL
+    alt = select(scorer, inputs, geom, cfg, convention=other)
+    mine = {(e.layer, e.head) for e in plan.entries}
+    theirs = {(e.layer, e.head) for e in alt.entries}
+    return Sensitivity(plan.convention, other, len(mine - theirs), sorted(mine - theirs), sorted(theirs - mine))

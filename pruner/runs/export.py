@@ -1,0 +1,160 @@
+"""Export: a pruning run as a shareable checkpoint (dense or compact) with its model card, and the push.
+
+The pruned model is rebuilt from the run folder alone -- the base model that
+`recipe.yaml` names, the heads of `plan.json`, the compensation of
+`compensation.safetensors` (folded biases `layer.<i>`, refitted weight deltas
+`layer.<i>.weight`) -- with the surgery functions `prune` itself uses, so
+either format is exact whatever surgery the run chose:
+
+- `dense`   -- `surgery.mask_heads`: the pruned heads' output-projection columns
+               are zero, every shape is kept; loads anywhere the base loads.
+- `compact` -- `surgery.remove_heads`: physically smaller, in the best form that
+               holds it (pruner.checkpoints.layout): a vanilla checkpoint when the family's own
+               config can describe it, else the per-layer form (per-layer head
+               counts + pruner's modeling file; `trust_remote_code=True` or
+               `pruner.load`).
+
+`mean` compensation is carried into both (the output-projection bias; Llama's
+`attention_bias`; the per-layer form declares it where the config cannot);
+`refit` compensation too, as plain weights (and the bias where the projection
+has one), so it needs no config change anywhere. Checkpoints are stored in the
+base checkpoint's own dtype unless the recipe's `export.dtype` says otherwise.
+Nothing is published that does not load: the checkpoint is reloaded by every
+route a user has and its logits (atol 1e-5) and greedy generations compared with
+the in-memory model before the temporary folder is renamed into place. The
+reload holds a second copy of the model in memory for that moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pruner.checkpoints import layout as forms
+from pruner.checkpoints import loading, saving, storage
+from pruner.core import outputs
+from pruner.core.redact import redact
+from pruner.pruning import surgery
+from pruner.runs import provenance
+from pruner.runs.card import model_card
+from pruner.runs.folders import Run, load_run, recipe_storage_dtype, save_checkpoint
+
+FORMATS = ("dense", "compact")
+ATOL = saving.ATOL
+ExportError = storage.CheckpointError  # a checkpoint that cannot be written (or would not reload)
+
+
+class PushError(OSError):
+    """The push failed; the local export is intact."""
+
+
+def rebuild(run: Run, fmt: str):
+    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    model = loading.load_base(run.recipe.model)
+    tokenizer = loading.load_tokenizer(run.recipe.model.path, trust_remote_code=run.recipe.model.trust_remote_code)
+    heads = provenance.check_fits(run.folder, run.plan, run.compensation, model)  # an edited plan that no longer fits
+    (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, heads, run.compensation)
+    return model, tokenizer
+
+
+def check_exportable(model, fmt: str) -> None:
+    """Refuse, with what to do instead, a model no checkpoint of `fmt` can hold (only dense can refuse now)."""
+    forms.layout(model, removed=fmt == "compact")
+
+
+def storage_dtype(run: Run, dtype: str | None = None) -> str | None:
+    """The dtype an export of `run` stores (see recipe_storage_dtype)."""
+    return recipe_storage_dtype(run.recipe, dtype)
+
+
+@dataclass(frozen=True)
+class Exported:
+    folder: Path
+    format: str
+    params: int
+    bytes: int          # weights files on disk
+    max_diff: float     # max |logit difference| after the reload (vs the model rounded to `dtype`)
+    layout: str = "dense"            # dense | vanilla | per-layer
+    dtype: str = "float32"           # storage dtype
+    storage_diff: float = 0.0        # max |logit change| that storing in `dtype` itself makes
+    why_per_layer: str | None = None
+    generation: bool | None = None   # greedy generation with the KV cache identical (None: not a causal LM)
+
+
+def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
+                 dtype: str | None = None) -> Exported:
+    """Rebuild, check, write to a temporary folder, reload-verify, add card + plan.json, rename to `out`."""
+    out = Path(out)
+    with outputs.atomic_dir(out, overwrite) as tmp:  # an existing `out` is refused before the rebuild
+        model, tokenizer = rebuild(run, fmt)
+        saved = save_checkpoint(model, tokenizer, tmp, fmt == "compact", storage_dtype(run, dtype))
+        shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
+        params = sum(p.numel() for p in model.parameters())
+        model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
+        size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+    return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
+                    saved.why_per_layer, saved.generation)
+
+
+def commit_message(run: Run, fmt: str) -> str:
+    m = run.metrics
+    return (f"pruner: {m['scorer']} pruned {m['pruned_heads']}/{m['total_heads']} heads "
+            f"({m['compensation']} compensation, {fmt})")
+
+
+def hub_client():
+    """The client `push` uses unless given one (tests inject a recording fake)."""
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A malformed repo id is an error before any compute."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"invalid Hub repo id {repo_id!r} (expected NAMESPACE/NAME): {e}") from None
+
+
+def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -> str:
+    """Create the repo if needed and upload `folder`; any failure is a PushError naming what to check."""
+    client = client or hub_client()
+    try:
+        client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        client.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
+    except Exception as e:  # noqa: BLE001 - network, auth and HTTP errors all mean "not pushed"
+        first = redact((str(e).strip().splitlines() or [""])[0])  # HTTP errors may echo request headers
+        raise PushError(f"push to {repo_id} failed ({type(e).__name__}: {first}). The local export at {folder} "
+                        "is intact. Check the token (`hf auth login`, or HF_TOKEN with write access), the "
+                        f"network (or HF_ENDPOINT), and the repo id; then retry with "
+                        f"`hf upload {repo_id} {folder}{' --private' if private else ''}`") from None
+    return f"{getattr(client, 'endpoint', None) or 'https://huggingface.co'}/{repo_id}"
+
+
+def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
+               private: bool = False, allow_changed_base: bool = False,
+               dtype: str | None = None) -> tuple[Exported, str | None]:
+    """`pruner export`: write the export, then push it when `repo_id` is given. Returns (export, url).
+
+    A base model that is not the one the run was made from (provenance.json) is
+    refused unless `allow_changed_base`, which the model card then records. `dtype`
+    overrides the recipe's `export.dtype` (storage dtype; auto = the base checkpoint's own).
+    """
+    if repo_id:
+        check_repo_id(repo_id)
+    run = load_run(run_dir)
+    note = provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
+    run = dataclasses.replace(run, base_note=note)
+    done = write_export(run, fmt, out, overwrite, repo_id, dtype)
+    url = push(done.folder, repo_id, private, commit_message(run, fmt)) if repo_id else None
+    return done, url

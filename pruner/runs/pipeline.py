@@ -1,0 +1,376 @@
+"""The stages in order: prepare -> calibrate -> select -> compensate -> evaluate -> prune. No logic of its own.
+
+A `Session` holds what every stage shares (the model, its tokenizer, the
+calibration samples, the evaluation windows), built once from a validated
+recipe and, for the Python API, from objects the caller already holds: a model
+in memory, a tokenizer, texts. `run` is `pruner prune`, `compare` is
+`pruner compare`; `pruner.api` and the command line both call these, so the two
+cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.evaluation import downstream
+from pruner.core import runtime
+from pruner.core import arch, data, distributed, resume
+from pruner.evaluation import bench, tasks
+from pruner.checkpoints import loading
+from pruner.pruning import refit, surgery
+from pruner.runs import resources
+from pruner.pruning.calibrate import calibrate
+from pruner.attention.capture import CaptureConfig, capture_stats, resolve_auto_sinks
+from pruner.evaluation.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
+                             window_scores)
+from pruner.runs.recipe import Recipe, SurgerySpec
+from pruner.pruning.scoring import ScoringInputs, get_scorer
+from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
+from pruner.attention.sinks import SinkSpec, check_content, default_spec
+
+
+@dataclass
+class Session:
+    """What every stage shares: the model, tokenizer and samples, built once.
+
+    `evaluation` (the windows perplexity is measured on) is built on first use, so
+    planning alone never reads the evaluation text.
+    """
+
+    recipe: Recipe
+    model: object
+    tokenizer: object
+    causal: bool
+    sinks: SinkSpec
+    calibration: data.TokenBatch
+    evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
+    _evaluation: EvalWindows | None = field(default=None, repr=False)
+    _downstream: downstream.Downstream | None = field(default=None, repr=False)
+    checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
+
+    @property
+    def evaluation(self) -> EvalWindows:
+        if self._evaluation is None:
+            self._evaluation = evaluation_windows(self.recipe, self.model, self.tokenizer, self.causal,
+                                                  self.evaluation_texts)
+        return self._evaluation
+
+    @property
+    def downstream(self) -> downstream.Downstream | None:
+        """The recipe's evaluation.tasks, loaded once (None without tasks)."""
+        ev = self.recipe.evaluation
+        if self._downstream is None and ev.tasks:
+            self._downstream = downstream.Downstream(self.model, self.tokenizer, tasks.spec_from_recipe(ev), self.causal,
+                                                n_boot=max(ev.bootstrap, 1))
+        return self._downstream
+
+
+def _source(spec) -> data.TextSource:
+    return data.TextSource(spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
+
+
+def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
+    """Decoders: strided perplexity windows; encoders: lines with a fixed masking (needs an MLM head)."""
+    ev = recipe.evaluation
+    texts = texts if texts is not None else data.load_texts(_source(ev))
+    if causal:
+        return sliding_windows(tokenizer, texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
+    if not hasattr(model, "cls"):
+        raise ValueError(f"{recipe.model.path}: masked-token perplexity needs a masked-LM head "
+                         "(set model.mlm_readout: shipped for all-MiniLM-L6-v2)")
+    return masked_lines(tokenizer, texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
+
+
+def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
+            calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
+            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE) -> Session:
+    """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
+
+    `model`/`tokenizer` default to what `recipe.model` names; texts default to the
+    recipe's data sources. With `evaluation`, the evaluation windows are built now,
+    so unusable evaluation text fails before any calibration compute. `checkpoints`:
+    where a resumable run keeps its stages (`pruner.core.resume`).
+    """
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    m = recipe.model
+    if model is None:
+        model = loading.load_base(m, device=distributed.local_device(m.device))
+    arch.adapter_for(model)  # unsupported architecture: fail before any compute
+    tok = tokenizer if tokenizer is not None else loading.load_tokenizer(m.path, m.trust_remote_code)
+    causal = runtime.attends_causally(model)
+    cal = recipe.calibration
+    texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
+    batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
+    s = recipe.sinks
+    spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
+    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints)
+    if evaluation:
+        session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
+        session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
+    if spec.mode == "auto":
+        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size,
+                                           checkpoints=checkpoints)
+    check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
+    return session
+
+
+def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> ScoringInputs:
+    """The calibration pass (capture, and the gradient pass when a scorer needs it), after checking
+    that its estimated peak memory fits (`pruner.runs.resources`)."""
+    r = session.recipe
+    metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
+    if r.capture.memory_check:
+        resources.check_memory(session.model, resources.Sizes(
+            batch_size=min(r.calibration.batch_size, len(session.calibration)),
+            length=session.calibration.input_ids.shape[1],
+            chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
+    return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
+                     gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
+                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints)
+
+
+def stage(session: Session, name: str, compute):
+    """`compute()`, saved as stage `name` of a resumable run; a resumed run reads it back instead.
+
+    Only when every process has it: these stages end in a collective (gathered NLLs).
+    """
+    saved = session.checkpoints.load_all(name)
+    if saved is not None:
+        return saved["value"]
+    value = compute()
+    session.checkpoints.finish(name, lambda: {"value": value})
+    return value
+
+
+def check_refit_tokens(session: Session) -> None:
+    """Refit needs at least as many calibration tokens as each layer has output-projection channels:
+    fail before any calibration compute."""
+    g = arch.geometry(session.model)
+    tokens = int(session.calibration.attention_mask.sum())
+    refit.check_tokens(tokens, g.n_heads * g.head_dim, 0)
+
+
+def selection_config(recipe: Recipe, target: float | None = None, budget: str | None = None,
+                     gqa: str | None = None) -> SelectionConfig:
+    s = recipe.selection
+    return SelectionConfig(target=s.target if target is None else target, budget=budget or s.budget,
+                           min_heads_per_layer=s.min_heads_per_layer, gqa=gqa or s.gqa)
+
+
+def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: bool = True) -> Plan:
+    """Calibrate (unless `inputs` are given) and select the heads the recipe asks for; nothing is changed.
+
+    The plan carries its calibration (for compensation) and its convention
+    sensitivity: for a redundancy scorer, how many selected heads change under the
+    other convention; for any other scorer, the same figure for the naive cosine
+    plan at the same target, labelled as such.
+    """
+    recipe = session.recipe
+    scorer = get_scorer(recipe.scorer.name)
+    geom = arch.geometry(session.model)
+    cfg = selection_config(recipe)
+    check_target(geom, cfg)  # an impossible target fails before any calibration compute
+    if inputs is None:
+        inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
+    plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
+    sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
+    if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
+        naive = get_scorer("cosine")
+        sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
+    return replace(plan, geometry=geom, sensitivity=sens, sink_mass=inputs.stats.sink_mass,
+                   calibration=inputs)
+
+
+def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs | None,
+                 session: Session | None = None) -> surgery.Compensation:
+    """The `spec.compensation` of pruning `plan_heads`, from the calibration's output moments.
+
+    A sequential refit re-collects moments on the calibration samples, so it needs
+    the `session` they belong to.
+    """
+    kind = spec.compensation
+    if kind == "zero":
+        return surgery.Compensation()
+    if inputs is None:
+        raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
+                         "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
+                         "this model, or use compensation='zero'")
+    if kind == "refit" and spec.refit_mode == "sequential":
+        if session is None:
+            raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
+                             "refit_mode='oneshot' with pruner.apply")
+        r = session.recipe
+        cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True)
+        collect = lambda: capture_stats(model, session.calibration, session.sinks, session.tokenizer,  # noqa: E731
+                                        cfg, batch_size=r.calibration.batch_size).outputs
+        return surgery.refit_sequential(model, plan_heads, collect, spec.ridge)
+    return surgery.compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge)
+
+
+def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:
+    """metrics.json's refit section: ridge, mode and per layer the pruned and unexplained energy
+    (absolute, and relative to the residual stream's mean squared norm R_l)."""
+    if comp.kind != "refit":
+        return None
+    resid = None if inputs is None or inputs.stats.residual is None else inputs.stats.residual
+    layers = {}
+    for layer, fit in sorted(comp.fits.items()):
+        r = None if resid is None else float(resid[layer])
+        layers[str(layer)] = {**fit, "residual": r, "relative": None if r is None else fit["unexplained"] / r}
+    return {"ridge": spec.ridge, "mode": spec.refit_mode, "layers": layers,
+            "unexplained": sum(v["unexplained"] for v in layers.values()),
+            "relative": None if resid is None else sum(v["relative"] for v in layers.values())}
+
+
+def apply(model, heads: dict[int, list[int]], comp: surgery.Compensation, mode: str) -> None:
+    """Permanent surgery: `mask` keeps every shape, `remove` slices the heads out."""
+    (surgery.remove_heads if mode == "remove" else surgery.mask_heads)(model, heads, comp)
+
+
+def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], comp, base) -> dict:
+    """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows;
+    with evaluation.tasks, each task's accuracy change on the same documents."""
+    ev = session.recipe.evaluation
+    with surgery.masked(session.model, plan_heads, comp):
+        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size,
+                                        causal=session.causal, pool=not session.causal)
+        scores = session.downstream.scores() if session.downstream else None
+    d = paired_delta(base["nll"], (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
+    out = asdict(d)
+    if emb is not None:
+        out["fidelity"] = fidelity(base["emb"], emb)
+    if scores is not None:
+        out["tasks"] = session.downstream.paired(base["tasks"], scores)
+    return out
+
+
+def base_metrics(session: Session, progress: bool = True) -> dict:
+    """The unpruned model's per-window NLLs (and embeddings for encoders): stage `base`."""
+    ev = session.recipe.evaluation
+
+    def compute():
+        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
+                                        causal=session.causal, pool=not session.causal)
+        return {"nll": (nll, count), "emb": emb}
+    out = stage(session, "base", compute)  # task scores are not saved (dataclasses): recomputed on resume
+    return {**out, "tasks": session.downstream.scores() if session.downstream else None}
+
+
+def compare(session: Session, scorers: list[str], sparsities: list[float], compensations: list[str],
+            budgets: list[str] | None = None, gqa_modes: list[str] | None = None,
+            progress: bool = True) -> list[dict]:
+    """Every scorer x sparsity x budget x GQA mode x compensation on the same windows; one calibration pass."""
+    for name in scorers:
+        get_scorer(name)
+    recipe = session.recipe
+    budgets = budgets or [recipe.selection.budget]
+    gqa_modes = gqa_modes or [recipe.selection.gqa]
+    if "refit" in compensations:
+        check_refit_tokens(session)
+    inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress)
+    base = base_metrics(session, progress)
+    geom = arch.geometry(session.model)
+    records = []
+    jobs = [(s, p, b, g) for s in scorers for p in sparsities for b in budgets for g in gqa_modes]
+    for name, target, budget, gqa in (tqdm(jobs, desc="compare", unit="plan") if progress else jobs):
+        scorer = get_scorer(name)
+        key = {"scorer": name, "sparsity": target, "budget": budget, "gqa": gqa}
+        try:
+            plan = select(scorer, inputs, geom, selection_config(recipe, target, budget, gqa))
+        except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
+            records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
+            continue
+        for kind in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
+            spec = recipe.surgery.model_copy(update={"compensation": kind})
+            comp = compensation(session.model, plan.heads, spec, inputs, session)  # recomputed on resume
+            m = stage(session, f"compare-{len(records)}",
+                      lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
+            fit = refit_record(comp, spec, inputs)
+            records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
+                            "heads": {str(k): v for k, v in plan.heads.items()}, **m,
+                            **({} if fit is None else {"unexplained": fit["unexplained"],
+                                                       "unexplained_relative": fit["relative"]})})
+    return records
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    metrics: dict
+    model: object
+    tokenizer: object
+    compensation: surgery.Compensation  # what the pruned heads left in the output projections
+    recipe: Recipe | None = None
+
+
+def run(session: Session, progress: bool = True) -> RunResult:
+    """`pruner prune`: calibrate, score, select, evaluate (scoped mask), then prune the model in place."""
+    t0 = time.time()
+    recipe, model = session.recipe, session.model
+    if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
+        resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(model),
+                             "the pruned checkpoint (model/)")
+    if recipe.surgery.compensation == "refit":
+        check_refit_tokens(session)
+    plan = make_plan(session, progress=progress)
+    base = base_metrics(session, progress)
+    params_before = sum(p.numel() for p in model.parameters())
+    latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
+    comp = compensation(model, plan.heads, recipe.surgery, plan.calibration, session)
+    # scoped mask: the same numbers as the surgery below
+    m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
+    gains = measure_gains(session, plan.heads, comp, progress)  # before the surgery: the model is the base
+    apply(model, plan.heads, comp, recipe.surgery.mode)
+    geom = plan.geometry
+    scorer = get_scorer(plan.scorer)
+    metrics = {
+        "model": recipe.model.path, "scorer": plan.scorer,
+        "convention": plan.convention or scorer.reads,
+        "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
+        "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
+        "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
+        "evaluation": m, "params_before": params_before,
+        "params_after": sum(p.numel() for p in model.parameters()),
+        "latency_ms_before": latency_before,
+        "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
+        "convention_sensitivity": sensitivity_record(plan),
+        **({"bench": gains} if gains is not None else {}),
+        "seconds": round(time.time() - t0, 1),
+    }
+    fit = refit_record(comp, recipe.surgery, plan.calibration)
+    if fit is not None:
+        metrics["refit"] = fit
+    return RunResult(plan, metrics, model, session.tokenizer, comp, recipe)
+
+
+def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:
+    """What the compact form of this plan buys against the base (the recipe's `bench` section): the
+    metrics' `bench` block. Not measured when disabled, on other processes than the first (they would
+    time each other), or for a model spread over devices."""
+    spec = session.recipe.bench
+    if not spec.enabled or not distributed.is_main() or getattr(session.model, "hf_device_map", None):
+        return None
+    dtype = bench.checkpoint_dtype(session.recipe.model, session.model)
+    pruned = bench.compact_copy(session.model, heads, compensation)
+    return bench.bench(session.model, pruned, bench.config_of(spec), dtype, progress).to_dict()
+
+
+def sensitivity_record(plan: Plan) -> dict | None:
+    """metrics.json's convention sensitivity, saying whose plan it is (this one, or the naive cosine one)."""
+    sens = plan.sensitivity
+    if sens is None:
+        return None
+    own = plan.convention is not None
+    return {**asdict(sens), "scorer": plan.scorer if own else "cosine", "of_this_plan": own}
+
+
+def to_jsonable(x):
+    return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))

@@ -1,0 +1,288 @@
+"""The recipe: one validated, typed config, built the same way from YAML, CLI and Python.
+
+Unknown keys, wrong types and out-of-range values are rejected before any
+compute, with the key path in the message (`selection.target: ...`). The
+resolved recipe is saved next to every result.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+
+from pruner.pruning.scoring import SCORERS
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = Field(min_length=1, description="shipped name, local folder or Hub id")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    device_map: str | None = None
+    mlm_readout: str | None = Field(default=None, description="'shipped' for all-MiniLM-L6-v2's readout")
+    trust_remote_code: bool = Field(False, description="run Python code shipped with the checkpoint (auto_map)")
+
+
+class DataSpec(_Strict):
+    """Calibration text (the shipped Shakespeare calibration plays unless `data` says otherwise)."""
+
+    data: str = Field("shakespeare:calibration", min_length=1,
+                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
+    split: str = "train"
+    text_column: str = "text"
+    name: str | None = None
+    unit: Literal["windows", "lines"] = "windows"
+    length: int = Field(128, ge=4, le=131072)
+    stride: int | None = Field(None, ge=1)
+    num_samples: int | None = Field(64, ge=1)
+    bos: bool = True
+    seed: int = 0
+    batch_size: int = Field(8, ge=1)
+
+
+class SinkSection(_Strict):
+    mode: Literal["first", "bos", "special", "ids", "positions", "auto"] | None = None
+    ids: list[int] = []
+    positions: list[int] = []
+    eps: float = Field(0.3, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _values(self):
+        if self.mode == "ids" and not self.ids:
+            raise ValueError("mode 'ids' needs at least one token id in sinks.ids")
+        if self.mode == "positions" and not self.positions:
+            raise ValueError("mode 'positions' needs at least one position in sinks.positions")
+        if any(p < 0 for p in self.positions):
+            raise ValueError("sink positions must be >= 0")
+        return self
+
+
+class ScorerSpec(_Strict):
+    name: str = "sink-aware"
+    convention: Literal["full", "content"] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in SCORERS:
+            near = difflib.get_close_matches(v, SCORERS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}")
+        return v
+
+
+class SelectionSpec(_Strict):
+    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1)")
+    budget: Literal["global", "layer"] = "global"
+    min_heads_per_layer: int = Field(1, ge=1)
+    gqa: Literal["equal", "group"] = "equal"
+    seed: int = 0
+
+    @field_validator("target", mode="before")
+    @classmethod
+    def _fraction_or_count(cls, v):
+        """A float must be a fraction in (0, 1); a head count is written as a whole number (8, not 8.0)."""
+        if isinstance(v, bool):
+            raise ValueError("must be a number, not a boolean")
+        if isinstance(v, float) and v >= 1:
+            raise ValueError("a fraction of heads must be in (0, 1); a head count is a whole number "
+                             f"(got {v!r})")
+        return v
+
+    @field_serializer("target")
+    def _whole_count(self, v: float) -> int | float:
+        """Counts are saved as whole numbers, so a saved recipe reloads (8.0 would be refused)."""
+        return int(v) if v >= 1 else v
+
+
+class SurgerySpec(_Strict):
+    """How heads go: masked or removed, and what is kept of them (see pruner.pruning.surgery)."""
+
+    mode: Literal["mask", "remove"] = "mask"
+    # refit by default: with the sink-aware scorer, the pair chosen on the development split
+    # (eval/refit_study.py; README "Compensation"); it needs no bias, so every family gets it
+    compensation: Literal["zero", "mean", "refit"] = "refit"
+    ridge: float = Field(1e-3, ge=0, description="refit: ridge, relative to the mean diagonal of each layer's "
+                                                 "second moment")
+    refit_mode: Literal["oneshot", "sequential"] = Field(
+        "oneshot", description="refit: from the unpruned model's moments, or layer by layer from moments "
+                               "re-collected on the model already pruned below")
+
+
+class EvaluationSpec(DataSpec):
+    data: str = Field("shakespeare:evaluation", min_length=1,
+                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
+    num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
+    bootstrap: int = Field(1000, ge=0)
+    latency: bool = True
+    tasks: list[str] = Field([], description="downstream tasks: lm-evaluation-harness names (the shipped offline "
+                                             "suite: `shakespeare`), or the shipped embedding task")
+    task_paths: list[str] = Field([], description="folders of your own lm-evaluation-harness task YAML")
+    task_limit: int | None = Field(None, ge=1, description="score the first N documents of each task")
+    num_fewshot: int | None = Field(None, ge=0, description="few-shot examples (default: each task's own)")
+
+    @field_validator("tasks", "task_paths")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        if any(not x.strip() for x in v):
+            raise ValueError("names must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _task_options_need_tasks(self):
+        unused = [k for k in ("task_paths", "task_limit", "num_fewshot") if getattr(self, k) not in (None, [])]
+        if unused and not self.tasks:
+            raise ValueError(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only with "
+                             "evaluation.tasks")
+        return self
+
+
+class ExportSpec(_Strict):
+    """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
+
+    format: Literal["none", "dense", "compact"] = "none"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="storage dtype of saved checkpoints (model/ and exports); auto: the base checkpoint's own")
+    push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
+    private: bool = False
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, v: str | None) -> str | None:
+        if v is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(v)
+            except HFValidationError as e:
+                raise ValueError(f"invalid Hub repo id {v!r}: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _push_needs_export(self):
+        if self.push_to_hub and self.format == "none":
+            raise ValueError("push_to_hub needs an export: set export.format to dense or compact")
+        if self.private and not self.push_to_hub:
+            raise ValueError("private applies only with export.push_to_hub")
+        return self
+
+
+class CaptureSpec(_Strict):
+    """Calibration capture. The scorers read the cosine matrices (always captured); each further
+    pair metric costs a pass per pair of heads (O(heads^2 T^2) logarithms for JS), so none by default."""
+
+    chunk_size: int = Field(128, ge=1)
+    metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
+    memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
+                                                 "the free memory")
+
+
+class CheckpointSpec(_Strict):
+    """How often a run saves its calibration sums and finished evaluations for `--resume`
+    (into its partial folder; removed when the run completes). Either trigger saves."""
+
+    every_seconds: float | None = Field(600, ge=0, description="seconds between saves; null: never by time")
+    every_batches: int | None = Field(None, ge=1, description="batches (or examples) between saves")
+
+
+class BenchSpec(_Strict):
+    """What `prune` measures of the pruned compact model against the base (parameters, checkpoint bytes,
+    KV cache, peak memory, prefill latency, decode throughput; see pruner.evaluation.bench). Small by default so a
+    run stays quick; `pruner bench RUN_DIR` measures at full length."""
+
+    enabled: bool = True
+    lengths: list[int] = Field([128, 512], description="prefill latency at batch 1, tokens (capped at the "
+                                                        "position table)")
+    decode: list[tuple[int, int]] = Field([(1, 16), (8, 256)], description="greedy decode cases "
+                                                                          "[batch, prompt tokens]")
+    new_tokens: int = Field(32, ge=2, description="tokens each decode case generates")
+    repeats: int = Field(3, ge=1, description="interleaved rounds (figures are medians)")
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if any(t < 1 for t in self.lengths) or any(b < 1 or p < 1 for b, p in self.decode):
+            raise ValueError("lengths, batch sizes and prompt lengths must be >= 1")
+        if self.enabled and not self.lengths and not self.decode:
+            raise ValueError("nothing to measure: give lengths or decode cases (or enabled: false)")
+        return self
+
+
+class Recipe(_Strict):
+    model: ModelSpec
+    calibration: DataSpec = DataSpec()
+    evaluation: EvaluationSpec = EvaluationSpec()
+    sinks: SinkSection = SinkSection()
+    scorer: ScorerSpec = ScorerSpec()
+    selection: SelectionSpec = SelectionSpec()
+    surgery: SurgerySpec = SurgerySpec()
+    export: ExportSpec = ExportSpec()
+    capture: CaptureSpec = CaptureSpec()
+    bench: BenchSpec = BenchSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    threads: int | None = Field(None, ge=1)
+    seed: int = 0
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class AnalyzeSpec(_Strict):
+    """Options of `pruner analyze` / `pruner sinks` / `pruner.analyze` (they are flags, not a recipe)."""
+
+    sinks: str | None = Field(None, description="first | bos | special | auto | ids:ID,... | positions:P,...")
+    unit: Literal["windows", "lines"] | None = None
+    max_length: int = Field(128, ge=4, le=131072)
+    num_samples: int | None = Field(64, ge=1)
+    metrics: list[str] = Field(["cosine", "js"], min_length=1)
+    thresholds: dict[str, float] = {}
+    clusters: int | None = Field(None, ge=2)
+    seed: int = 0
+    batch_size: int = Field(8, ge=1)
+    chunk_size: int = Field(128, ge=1)
+    bos: bool = True
+    threads: int | None = Field(None, ge=1)
+    trust_remote_code: bool = False
+    memory_check: bool = True
+    checkpoint_every_seconds: float | None = Field(600, ge=0)
+    checkpoint_every_batches: int | None = Field(None, ge=1)
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, v: list[str]) -> list[str]:
+        from pruner.attention.pairs import PAIR_METRICS
+
+        bad = [m for m in v if m not in PAIR_METRICS]
+        if bad:
+            raise ValueError(f"unknown pair metrics {bad}; valid: {', '.join(PAIR_METRICS)}")
+        return v
+
+    @classmethod
+    def validated(cls, values: dict[str, Any]) -> "AnalyzeSpec":
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise RecipeError(error_message(e).replace("invalid recipe", "invalid option", 1)) from None
+
+
+def error_message(e: ValidationError, prefix: str | None = None) -> str:
+    lines = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in ([prefix] if prefix else []) + list(err["loc"])) or "(recipe)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{path}: {msg}")
+    return "invalid recipe: " + "; ".join(lines)
+
+
