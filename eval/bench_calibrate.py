@@ -1,8 +1,8 @@
 """Calibration at real model sizes: pruner's calibration pass against plain forward passes, bfloat16.
 
-    PYTHONPATH=. python eval/bench_calibrate.py                   # Qwen2.5-0.5B and Llama-3.2-1B shapes, 16 x 1024
-    PYTHONPATH=. python eval/bench_calibrate.py --windows 4       # quicker: fewer windows (costs are per window)
-    PYTHONPATH=. python eval/bench_calibrate.py --device cuda --model llama-3-8b --windows 128 --length 2048
+    python eval/bench_calibrate.py                   # Qwen2.5-0.5B and Llama-3.2-1B shapes, 16 x 1024
+    python eval/bench_calibrate.py --windows 4       # quicker: fewer windows (costs are per window)
+    python eval/bench_calibrate.py --device cuda --model llama-3-8b --windows 128 --length 2048
 
 Models are built from the public config of each checkpoint (the dicts below; nothing
 is downloaded) with random weights, in bfloat16. Random weights have no trained

@@ -1,9 +1,9 @@
 """Capture benchmark: a plain SDPA forward vs pruner's calibration and capture vs eager attention maps.
 
-    PYTHONPATH=. python eval/bench_capture.py                 # the README tables
-    PYTHONPATH=. python eval/bench_capture.py --long 8192     # also plain and capture_se at T=8192
-    PYTHONPATH=. python eval/bench_capture.py --models gpt2-small-random --lengths 256 --repeats 1  # smoke
-    PYTHONPATH=. python eval/bench_capture.py --models gpt2-small-random --lengths 1024,2048 \
+    python eval/bench_capture.py                 # the README tables
+    python eval/bench_capture.py --long 8192     # also plain and capture_se at T=8192
+    python eval/bench_capture.py --models gpt2-small-random --lengths 256 --repeats 1  # smoke
+    python eval/bench_capture.py --models gpt2-small-random --lengths 1024,2048 \
         --modes plain,calibrate --repeats 5 --analyze none   # the calibration target alone
 
 On the same model and the same tokens (batch 1), each case is one of

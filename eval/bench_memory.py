@@ -1,7 +1,7 @@
 """How honest is the memory estimate? `resources.calibration_estimate` vs the measured peak of calibration.
 
-    PYTHONPATH=. python eval/bench_memory.py                  # the README table (~5 min on 2 cores)
-    PYTHONPATH=. python eval/bench_memory.py --cases gpt2-shakespeare:8:128:0   # one case
+    python eval/bench_memory.py                  # the README table (~5 min on 2 cores)
+    python eval/bench_memory.py --cases gpt2-shakespeare:8:128:0   # one case
 
 Each case (model, batch size, window length, gradient scorer or not) runs in a fresh
 subprocess: the model is loaded, a batch of random token windows built, an 8-token

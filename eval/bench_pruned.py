@@ -1,7 +1,7 @@
 """What head pruning buys at real model shapes: random-weight Llama-3.2-1B, Qwen2.5-0.5B and GPT-2 small.
 
-    PYTHONPATH=. python eval/bench_pruned.py --dtype-check         # the README table (see README for the time)
-    PYTHONPATH=. python eval/bench_pruned.py --models gpt2-small --repeats 1 --new-tokens 8 --out runs/smoke
+    python eval/bench_pruned.py --dtype-check         # the README table (see README for the time)
+    python eval/bench_pruned.py --models gpt2-small --repeats 1 --new-tokens 8 --out runs/smoke
 
 Each model is built from its public config (written below; nothing is downloaded)
 with seeded random weights in `--dtype` (default bfloat16: on this CPU, AMX makes it

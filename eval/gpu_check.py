@@ -1,6 +1,6 @@
 """On a CUDA machine: the whole pipeline gives the CPU's answers, and the compact export reloads there.
 
-    PYTHONPATH=. python eval/gpu_check.py [--out DIR]          (needs a GPU; about a minute)
+    python eval/gpu_check.py [--out DIR]          (needs a GPU; about a minute)
 
 For each shipped from-scratch decoder (GPT-2 with an output bias, Llama with GQA and
 none), one `pruner.compare` per device over every scorer x 25% x {zero, mean, refit},

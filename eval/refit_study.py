@@ -34,12 +34,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.checkpoints import loading
 from pruner.core import arch, assets, data
 from pruner.core.tables import change_cell, markdown_table
-from pruner.evaluation.perplexity import (
-    masked_lines,
-    paired_delta,
-    sliding_windows,
-    window_nll,
-)
+from pruner.evaluation.perplexity import masked_lines, paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
 from pruner.pruning.calibrate import calibrate
 from pruner.pruning.scoring import SCORERS, Scorer, get_scorer

@@ -1,6 +1,6 @@
 """The shipped offline task suite on the shipped models: base accuracy, chance, and a damaged model's.
 
-    PYTHONPATH=. python eval/task_suite.py [--models minilm-causal,gpt2-shakespeare,llama-shakespeare,minilm]
+    python eval/task_suite.py [--models minilm-causal,gpt2-shakespeare,llama-shakespeare,minilm]
                                            [--limit N] [--seeds 3]
 
 Damaged = half of the heads, drawn at random (seeded), zero-ablated with the scoped mask. Each

@@ -39,13 +39,7 @@ import yaml
 
 from pruner.attention.eager import eager_sink_mass
 from pruner.core import assets
-from pruner.core.data import (
-    TextSource,
-    TokenBatch,
-    line_samples,
-    load_texts,
-    token_windows,
-)
+from pruner.core.data import TextSource, TokenBatch, line_samples, load_texts, token_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -331,11 +325,7 @@ def train_minilm_readout(settings: dict, out_root: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from pruner.checkpoints.loading import (
-        MINILM_READOUT_FILE,
-        TIED_READOUT_KEYS,
-        load_minilm_mlm,
-    )
+    from pruner.checkpoints.loading import MINILM_READOUT_FILE, TIED_READOUT_KEYS, load_minilm_mlm
     from pruner.core.data import mask_tokens
 
     cfg = settings["minilm_readout"]

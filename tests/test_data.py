@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from pruner.core import assets
-from pruner.core.data import (
-    DataError,
-    TextSource,
-    bos_token_id,
-    line_samples,
-    load_texts,
-    pad,
-    token_windows,
-)
+from pruner.core.data import DataError, TextSource, bos_token_id, line_samples, load_texts, pad, token_windows
 
 pytestmark = pytest.mark.unit
 
@@ -129,3 +123,27 @@ def test_bos_falls_back_to_cls_and_errors_without_either(minilm_tokenizer, word_
     bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
     with pytest.raises(DataError, match="neither a BOS nor a CLS"):
         bos_token_id(bare)
+
+
+@pytest.mark.unit
+def test_what_the_wheel_leaves_out_is_named_when_missing(tmp_path, monkeypatch):
+    """The wheel leaves out the checkpoints and text only eval/ and the tests read (pyproject's
+    exclude-package-data): asking for them without a clone says so in one line, and the two lists agree."""
+    import tomllib
+
+    from pruner.core import assets
+
+    excluded = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = excluded["tool"]["setuptools"]["exclude-package-data"]["pruner"]
+    named = {p.removeprefix("assets/models/").removesuffix("/*") for p in patterns if p.startswith("assets/models/")}
+    named |= {"shakespeare:" + p.removeprefix("assets/shakespeare/").removesuffix("/*")
+              for p in patterns if p.startswith("assets/shakespeare/")}
+    assert named == set(assets.REPOSITORY_ONLY)
+    monkeypatch.setattr(assets, "MODELS", tmp_path / "models")
+    monkeypatch.setattr(assets, "SHAKESPEARE", tmp_path / "shakespeare")
+    with pytest.raises(FileNotFoundError, match="not in the wheel .* install pruner from a clone"):
+        assets.checkpoint("llama-shakespeare-early")
+    with pytest.raises(FileNotFoundError, match="not in the wheel"):
+        assets.shakespeare("train")
+    with pytest.raises(FileNotFoundError, match="'gpt2-shakespeare' is missing at"):
+        assets.checkpoint("gpt2-shakespeare")

@@ -8,12 +8,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from pruner.evaluation.perplexity import (
-    paired_delta,
-    perplexity,
-    sliding_windows,
-    window_nll,
-)
+from pruner.evaluation.perplexity import paired_delta, perplexity, sliding_windows, window_nll
 
 pytestmark = pytest.mark.unit
 

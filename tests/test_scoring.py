@@ -11,12 +11,7 @@ from pruner.core import arch
 from pruner.core.data import pad
 from pruner.pruning import scoring
 from pruner.pruning.calibrate import calibrate, gradient_importance, lm_loss
-from pruner.pruning.selection import (
-    SelectionConfig,
-    SelectionError,
-    convention_sensitivity,
-    select,
-)
+from pruner.pruning.selection import SelectionConfig, SelectionError, convention_sensitivity, select
 
 pytestmark = pytest.mark.integration
 

@@ -7,13 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner.api.calls import (
-    is_texts,
-    model_and_tokenizer,
-    model_name,
-    same_tokenizer,
-    texts_of,
-)
+from pruner.api.calls import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
 from pruner.core import arch, distributed, environment, outputs, resume, runtime
 from pruner.runs import provenance, resources
 from pruner.runs.recipe import AnalyzeSpec
@@ -85,11 +79,7 @@ def measure_heads(model, tokenizer=None, data=None, *, metrics=("cosine",), acro
     """
     import torch
 
-    from pruner.attention.capture import (
-        CaptureConfig,
-        capture_stats,
-        resolve_auto_sinks,
-    )
+    from pruner.attention.capture import CaptureConfig, capture_stats, resolve_auto_sinks
     from pruner.attention.sinks import check_content, parse_spec
     from pruner.core import data as data_mod
 

@@ -87,11 +87,7 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import (
-        ALL_MASK_ATTENTION_FUNCTIONS,
-        AttentionMaskInterface,
-        sdpa_mask,
-    )
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
     if IMPL not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionInterface.register(IMPL, _capture_attention)

@@ -19,8 +19,8 @@ def add_parser(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pruner.api.analysis import measure_heads
     from pruner.analysis import flips as audit
+    from pruner.api.analysis import measure_heads
     from pruner.attention.eager import format_table
     from pruner.core import distributed
 

@@ -25,6 +25,9 @@ CHECKPOINTS = {
     "minilm-mlm-readout": "minilm-mlm-readout",
 }
 
+# In the git repository, left out of the wheel: only eval/ scripts and the tests read them.
+REPOSITORY_ONLY = ("llama-shakespeare-early", "llama-shakespeare-middle", "shakespeare:train")
+
 # Named states that load another checkpoint's weights with a different config: name -> (base, overrides).
 # `minilm-causal-init`: all-MiniLM-L6-v2 run causally (BertLMHeadModel, is_decoder, LM head tied to the
 # word embeddings) before any causal fine-tuning -- the starting point of `minilm-causal`, built as
@@ -39,6 +42,8 @@ def shakespeare(split: str) -> Path:
     """Folder of one Shakespeare split (one `.txt` file per play)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    if not (SHAKESPEARE / split).is_dir():
+        raise FileNotFoundError(_missing(f"shakespeare:{split}", SHAKESPEARE / split))
     return SHAKESPEARE / split
 
 
@@ -48,9 +53,15 @@ def checkpoint(name: str) -> Path:
         raise ValueError(f"unknown shipped checkpoint {name!r}; valid: {', '.join(CHECKPOINTS)}")
     path = MODELS / CHECKPOINTS[name]
     if not (path / "reference.json").exists():  # written last by eval/train_reference.py
-        raise FileNotFoundError(f"shipped checkpoint {name!r} is missing at {path}; "
-                                "re-create it with `python eval/train_reference.py`")
+        raise FileNotFoundError(_missing(name, path))
     return path
+
+
+def _missing(name: str, path: Path) -> str:
+    if name in REPOSITORY_ONLY:
+        return (f"{name!r} ships in pruner's git repository, not in the wheel (only eval/ scripts and the tests "
+                "use it): install pruner from a clone (`pip install -e .`)")
+    return f"shipped data {name!r} is missing at {path}; re-create it with `python eval/train_reference.py`"
 
 
 def minilm() -> Path:

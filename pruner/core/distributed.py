@@ -26,9 +26,7 @@ def _group() -> bool:
         return dist.get_world_size() > 1
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    from accelerate import (
-        PartialState,  # reads the launcher's environment; gloo on CPU, nccl on GPU
-    )
+    from accelerate import PartialState  # reads the launcher's environment; gloo on CPU, nccl on GPU
 
     PartialState()
     atexit.register(_close)
