@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from transformers.utils import logging as transformers_logging
+
+# Under pytest-xdist (the test command runs one worker per core) each worker computes on one thread:
+# two workers x two torch threads on two cores would only fight. Tests that compare thread counts set
+# them explicitly; subprocesses (torchrun, the memory probe) set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # transformers attaches its stderr handler on first use. Inside a test that handler would keep that
 # test's capture stream, which pytest closes afterwards; every later transformers warning then prints a

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("torchrun")]  # one process group at a time
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PROBE = HERE / "dist_probe.py"

@@ -329,6 +329,11 @@ def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_p
 
 @pytest.mark.integration
 def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
+    """A head and its exact copy: either is rebuilt from the other, so it costs (nearly) nothing.
+
+    The ridge (1e-6 of the mean diagonal) sits above the float32 rounding of the moments' products
+    (the copy's zero eigenvalues come out at about -2e-9 of the largest): smaller, and whether the
+    system factors depends on the machine's rounding, not on the method."""
     from pruner.pruning.calibrate import calibrate
     from pruner.pruning.scoring import get_scorer
     from pruner.pruning.selection import SelectionConfig, select
@@ -337,11 +342,12 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     copy_head(model, "gpt2", 1, 0, 3)
     batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
     inputs = calibrate(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=("cosine",), outputs=True),
-                       ridge=1e-8)
+                       ridge=1e-6)
     scores = get_scorer("refit-energy")(inputs, torch.ones(2, 4, dtype=torch.bool))
-    assert scores[1, 3] < 1e-6 * scores.max() and scores[1, 0] < 1e-6 * scores.max()  # either twin is free
+    others = torch.cat([scores[0], scores[1, 1:3]])
+    assert max(scores[1, 3], scores[1, 0]) < 1e-4 * others.min()  # either twin is (nearly) free
     plan = select(get_scorer("refit-energy"), inputs, arch.geometry(model), SelectionConfig(target=2))
     first = plan.entries[0]
     assert (first.layer, first.head) in ((1, 0), (1, 3))
     assert (plan.entries[1].layer, plan.entries[1].head) not in ((1, 0), (1, 3))  # never both twins
-    assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-8
+    assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-6

@@ -175,6 +175,7 @@ def test_random_kill_and_resume(models, reference, tmp_path):
                             f"(exit {rc}; saved stages {stages})", "largest_difference": worst})
 
 
+@pytest.mark.xdist_group("torchrun")
 def test_two_processes_killed_and_resumed(models, tmp_path):
     """torchrun, 2 processes: rank 1 kills itself mid-capture, torchrun ends rank 0; the resumed pair equals an
     uninterrupted pair."""

@@ -1,5 +1,7 @@
-"""One module per `pruner` command: `add_parser(sub, common)` declares its flags, `run(args)` parses them,
-calls the Python API (`pruner.api`), writes files and prints. Heavy imports happen inside `run`, so
+"""The command line: one module per `pruner` command, a thin shell over the Python API.
+
+`add_parser(sub, common)` declares a command's flags, `run(args)` parses them, calls the
+Python API (`pruner.api`), writes files and prints. Heavy imports happen inside `run`, so
 `pruner --help` stays instant."""
 
 from __future__ import annotations
