@@ -26,7 +26,7 @@ before it, with the model loaded (VmHWM after `/proc/self/clear_refs` = 5; glibc
 mmap threshold is fixed at 128 KiB so freed tensors leave resident memory at once, as
 in eval/bench_capture.py). CUDA: `torch.cuda.max_memory_allocated` during the case
 minus the memory allocated before it. Model size: parameter bytes. Writes
-`<out>/bench_calibrate.json` and prints the README table, the targets and the 8B
+`<out>/bench_calibrate.json` and prints the docs table (docs/scaling.md), the targets and the 8B
 estimate (arithmetic, labelled as such).
 """
 
@@ -243,7 +243,7 @@ def estimate_8b(windows: int = 128, length: int = 2048, batch: int = 8, chunk: i
                + batch * length * H * D * 4 * 6  # q, k/v (float32 copies), sink channel, centred copies
                + batch * length * (3 * ff + 4 * d) * 2) / GB  # the model's own activations
     return [
-        "ESTIMATE (arithmetic, not a measurement; an H200 measured 3.68x and model + 7.97 GB, README) -- Llama-3-8B shape, bfloat16, one GPU, "
+        "ESTIMATE (arithmetic, not a measurement; an H200 measured 3.68x and model + 7.97 GB, docs/scaling.md) -- Llama-3-8B shape, bfloat16, one GPU, "
         f"{windows} windows x {length}, batch {batch}:",
         f"  weights {params * 2 / GB:.1f} GB; calibration working set ~{work_gb:.1f} GB "
         f"(chunk buffers, float32 q/k/v copies, sink channel, centred outputs, the model's activations): "

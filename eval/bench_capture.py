@@ -1,6 +1,6 @@
 """Capture benchmark: a plain SDPA forward vs pruner's calibration and capture vs eager attention maps.
 
-    python eval/bench_capture.py                 # the README tables
+    python eval/bench_capture.py                 # the tables of docs/scaling.md
     python eval/bench_capture.py --long 8192     # also plain and capture_se at T=8192
     python eval/bench_capture.py --models gpt2-small-random --lengths 256 --repeats 1  # smoke
     python eval/bench_capture.py --models gpt2-small-random --lengths 1024,2048 \

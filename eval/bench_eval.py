@@ -1,6 +1,6 @@
 """Evaluator and scorer benchmark: perplexity vs a plain forward, gradient vs attention-based scoring.
 
-    python eval/bench_eval.py            # the README table (~6 min on 2 cores)
+    python eval/bench_eval.py            # the table of docs/scaling.md (~6 min on 2 cores)
 
 On each model, the same windows / samples, `--threads` torch threads, repeats
 interleaved round-robin (a shared machine's load falls on every case alike),

@@ -1,6 +1,6 @@
 """How honest is the memory estimate? `resources.calibration_estimate` vs the measured peak of calibration.
 
-    python eval/bench_memory.py                  # the README table (~5 min on 2 cores)
+    python eval/bench_memory.py                  # the docs table (docs/troubleshooting.md) (~5 min on 2 cores)
     python eval/bench_memory.py --cases gpt2-shakespeare:8:128:0   # one case
 
 Each case (model, batch size, window length, gradient scorer or not) runs in a fresh

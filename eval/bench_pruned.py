@@ -1,6 +1,6 @@
 """What head pruning buys at real model shapes: random-weight Llama-3.2-1B, Qwen2.5-0.5B and GPT-2 small.
 
-    python eval/bench_pruned.py --dtype-check         # the README table (see README for the time)
+    python eval/bench_pruned.py --dtype-check         # the table of docs/what-pruning-buys.md (the time is there)
     python eval/bench_pruned.py --models gpt2-small --repeats 1 --new-tokens 8 --out runs/smoke
 
 Each model is built from its public config (written below; nothing is downloaded)

@@ -29,7 +29,7 @@ def load(recipe: str) -> dict:
 
 def checks(cell: dict, scorer: str, comp: str) -> None:
     baselines = sorted({s for s, _, _ in cell} - set(OURS))
-    print(f"\n1. refit vs mean (perplexity change [95% CI]); target: refit <= mean\n")
+    print("\n1. refit vs mean (perplexity change [95% CI]); target: refit <= mean\n")
     rows = []
     for s in dict.fromkeys([scorer, "fluctuation"]):
         rows += [[s, c] + [change_cell(cell.get((s, t, c))) for t in TARGETS] for c in ("mean", "refit")]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's benchmark tables (issues 13 and 17), in sequence on a quiet machine; each script prints its
-# tables and writes JSON under eval/results/. Times measured 2026-11-30 on 2 CPU cores (see README).
+# The benchmark tables of docs/scaling.md and docs/what-pruning-buys.md (issues 13 and 17), in sequence on a quiet machine; each script prints its
+# tables and writes JSON under eval/results/. Times measured 2026-11-30 on 2 CPU cores (see docs/scaling.md).
 #
 #   eval/run_benchmarks.sh [capture] [calibrate] [pruned]      (default: all three)
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the compare tables quoted in the README and the issues' closing notes.
+# Reproduce the compare tables quoted in the docs (docs/results.md) and the issues' closing notes.
 # Each run: every scorer x {10, 25, 40, 50}% x {zero, mean}, one calibration pass,
 # the same evaluation windows. Writes runs/compare-*/ (json, csv, md, png).
 set -euo pipefail

@@ -7,7 +7,7 @@ Damaged = half of the heads, drawn at random (seeded), zero-ablated with the sco
 document's damaged accuracy is its mean over `--seeds` head draws; the change is paired with the
 base on the same documents, with a 95% bootstrap CI over documents. The causal models run the
 harness tasks (`shakespeare` tag); the encoder all-MiniLM-L6-v2 (`minilm`) runs the embedding
-task. Prints the README table and writes eval/results/task_suite.json.
+task. Prints the docs table (docs/downstream.md) and writes eval/results/task_suite.json.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """pruner: sink-aware attention-head pruning for Hugging Face transformers.
 
-The public Python API (see the README's "Python" section); everything else is internal:
+The public Python API (docs/python.md); everything else is internal:
 
     plan, apply, prune, compare, analyze, evaluate, load, export_run
     Plan, Result, Comparison, Analysis, Evaluation, Recipe, RecipeError

@@ -1,6 +1,6 @@
-"""Print the bad-input matrix of tests/test_reliability.py as the README's troubleshooting table.
+"""Print the bad-input matrix of tests/test_reliability.py as the table of docs/troubleshooting.md.
 
-    python eval/error_matrix.py > /tmp/matrix.md
+    python tests/error_matrix.py > /tmp/matrix.md
 
 Runs every case through the CLI (as the tests do) and prints `case | exit | message`.
 """

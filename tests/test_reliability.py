@@ -5,7 +5,7 @@ when the exit status and the message match, stderr is one line with no traceback
 and the output folder (and any temporary sibling) does not exist afterwards. A few
 cases stand in for the machine (little memory, a full disk, a Hub error that echoes
 a token) by patching one function while they run (`PATCHES`).
-`eval/error_matrix.py` prints the same cases with their messages for the README.
+`tests/error_matrix.py` prints the same cases with their messages for docs/troubleshooting.md.
 """
 
 from __future__ import annotations

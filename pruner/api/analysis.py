@@ -17,7 +17,7 @@ from pruner.runs.recipe import AnalyzeSpec
 class Analysis:
     """The convention audit of one model: the content of analysis.json, plus the statistics behind it.
 
-    Keys of `data` are documented in the README (`pruner analyze`); the common ones
+    Keys of `data` are documented in docs/convention-audit.md (`pruner analyze`); the common ones
     are attributes: `heads`, `entropy`, `audit`, `clustering`, `entropy_attribution`.
     """
 

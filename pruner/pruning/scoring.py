@@ -154,7 +154,7 @@ def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor
       tiny, look unimportant and get pruned first (catastrophic on the
       from-scratch Llama: +41 instead of +6 perplexity at 25% on the dev split).
     The choice is made with evidence (eval/scorer_study.py on a development
-    split): see the README's scorer section.
+    split): see docs/scorers.md.
     """
     if inputs.cross is None:
         raise ValueError("the sink-aware scorer needs the cross energy (pruner.pruning.calibrate computes it)")

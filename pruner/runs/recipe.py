@@ -111,7 +111,7 @@ class SurgerySpec(_Strict):
 
     mode: Literal["mask", "remove"] = "mask"
     # refit by default: with the sink-aware scorer, the pair chosen on the development split
-    # (eval/refit_study.py; README "Compensation"); it needs no bias, so every family gets it
+    # (eval/refit_study.py; docs/compensation.md); it needs no bias, so every family gets it
     compensation: Literal["zero", "mean", "refit"] = "refit"
     ridge: float = Field(1e-3, ge=0, description="refit: ridge, relative to the mean diagonal of each layer's "
                                                  "second moment")
