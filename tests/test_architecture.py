@@ -37,6 +37,14 @@ def test_import_layers_hold():
 
 
 @pytest.mark.unit
+def test_no_undefined_or_unused_names():
+    """`ruff check --select F,E9`: undefined names, unused imports, syntax errors (a moved function caught early)."""
+    out = subprocess.run([_tool("ruff"), "check", "--no-cache", "--select", "F,E9", "pruner", "tests", "eval"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:]
+
+
+@pytest.mark.unit
 def test_no_module_over_400_lines_and_no_function_over_60():
     big, long = [], []
     for path in sorted([*(ROOT / "pruner").rglob("*.py"), *(ROOT / "eval").glob("*.py")]):

@@ -18,11 +18,6 @@ from pruner.core.runtime import attends_causally, forward
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 
 
-def head_grams(model) -> torch.Tensor:
-    """W_O,h^T W_O,h per head: (layer, head, d_head, d_head), float64 (the diagonal blocks of `layer_grams`)."""
-    return _diagonal_blocks(layer_grams(model), arch.geometry(model))
-
-
 def _diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
     L, H, D = g.n_layers, g.n_heads, g.head_dim
     return torch.diagonal(grams.view(L, H, D, H, D), dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous()

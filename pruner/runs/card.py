@@ -11,7 +11,6 @@ from pruner.core.redact import redact
 from pruner.runs import report
 from pruner.runs.folders import Run
 
-
 # shipped checkpoints derived from a Hub model; the from-scratch ones have no Hub base
 HUB_BASE = {"minilm-causal": "sentence-transformers/all-MiniLM-L6-v2",
             "minilm": "sentence-transformers/all-MiniLM-L6-v2"}

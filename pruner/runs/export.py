@@ -28,14 +28,10 @@ reload holds a second copy of the model in memory for that moment.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from pruner.checkpoints import layout as forms
 from pruner.checkpoints import loading, saving, storage
 from pruner.core import outputs
 from pruner.core.redact import redact
@@ -62,11 +58,6 @@ def rebuild(run: Run, fmt: str):
     heads = provenance.check_fits(run.folder, run.plan, run.compensation, model)  # an edited plan that no longer fits
     (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, heads, run.compensation)
     return model, tokenizer
-
-
-def check_exportable(model, fmt: str) -> None:
-    """Refuse, with what to do instead, a model no checkpoint of `fmt` can hold (only dense can refuse now)."""
-    forms.layout(model, removed=fmt == "compact")
 
 
 def storage_dtype(run: Run, dtype: str | None = None) -> str | None:

@@ -17,21 +17,26 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from pruner.evaluation import downstream
-from pruner.core import runtime
-from pruner.core import arch, data, distributed, resume
-from pruner.evaluation import bench, tasks
-from pruner.checkpoints import loading
-from pruner.pruning import refit, surgery
-from pruner.runs import resources
-from pruner.pruning.calibrate import calibrate
 from pruner.attention.capture import CaptureConfig, capture_stats, resolve_auto_sinks
-from pruner.evaluation.perplexity import (EvalWindows, fidelity, latency_ms, masked_lines, paired_delta, sliding_windows,
-                             window_scores)
-from pruner.runs.recipe import Recipe, SurgerySpec
+from pruner.attention.sinks import SinkSpec, check_content, default_spec
+from pruner.checkpoints import loading
+from pruner.core import arch, data, distributed, resume, runtime
+from pruner.evaluation import bench, downstream, tasks
+from pruner.evaluation.perplexity import (
+    EvalWindows,
+    fidelity,
+    latency_ms,
+    masked_lines,
+    paired_delta,
+    sliding_windows,
+    window_scores,
+)
+from pruner.pruning import refit, surgery
+from pruner.pruning.calibrate import calibrate
 from pruner.pruning.scoring import ScoringInputs, get_scorer
 from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
-from pruner.attention.sinks import SinkSpec, check_content, default_spec
+from pruner.runs import resources
+from pruner.runs.recipe import Recipe, SurgerySpec
 
 
 @dataclass

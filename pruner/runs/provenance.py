@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -63,7 +62,6 @@ def _hub_commit(repo_id: str, filename: str = "config.json") -> str | None:
 
 def model_identity(name_or_path: str, mlm_readout: str | None = None) -> dict:
     """Identity of the base weights + config: shipped/local folders by file hashes, Hub ids by commit."""
-    from pruner.checkpoints import loading
 
     if mlm_readout:
         readout = assets.checkpoint("minilm-mlm-readout") if mlm_readout == "shipped" else Path(mlm_readout)
@@ -83,7 +81,6 @@ def model_identity(name_or_path: str, mlm_readout: str | None = None) -> dict:
 
 
 def tokenizer_identity(name_or_path: str) -> dict:
-    from pruner.checkpoints import loading
 
     path = assets.resolve(name_or_path)
     if Path(path).exists():

@@ -8,7 +8,6 @@ resolved recipe is saved next to every result.
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml

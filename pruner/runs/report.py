@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import csv
-import errno
-import fcntl
 import io
 import json
-import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from pruner.core.tables import change_cell, markdown_table
 from pruner.evaluation.accuracy import accuracy_table
 from pruner.evaluation.bench import BenchResult
-from pruner.core import resume
 from pruner.runs.recipe import Recipe
+
 
 def _variants(records: list[dict]) -> list[str]:
     """The selection axes a comparison varies besides scorer and sparsity (`budget`, `gqa`)."""
