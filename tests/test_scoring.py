@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def llama_inputs():
     model = tiny_model("llama")
     batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
-    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True)
+    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True, ablation=("mean", 4))
 
 
 def test_unknown_scorer_lists_valid_and_suggests():
@@ -132,3 +132,77 @@ def test_gradient_importance_computes_no_weight_gradients_and_restores_the_flags
     assert all(p.grad is None for p in model.parameters())
     assert not model.model.embed_tokens.weight.requires_grad
     assert all(p.requires_grad for n, p in model.named_parameters() if n != "model.embed_tokens.weight")
+
+
+def test_bos_sink_is_the_eager_attention_on_the_first_token():
+    """Sok et al.'s score: the mean attention each head gives position 0, from eager maps; highest pruned first."""
+    from pruner.attention.eager import eager_sink_mass
+
+    model, batch, inputs = llama_inputs_fresh()
+    scores = scoring.get_scorer("bos-sink")(inputs, torch.ones(2, 4, dtype=torch.bool))
+    torch.testing.assert_close(-scores, eager_sink_mass(model, batch), rtol=0, atol=1e-5)
+    gpt2 = tiny_model("gpt2")
+    inputs = calibrate(gpt2, batch, SinkSpec("first"))
+    plan = select(scoring.get_scorer("bos-sink"), inputs, arch.geometry(gpt2), SelectionConfig(target=3))
+    order = inputs.stats.sink_mass.flatten().argsort(descending=True)[:3].tolist()
+    assert [e.layer * 4 + e.head for e in plan.entries] == order  # the most sink-bound heads, in order
+
+
+def llama_inputs_fresh():
+    model = tiny_model("llama")
+    batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
+    return model, batch, calibrate(model, batch, SinkSpec("first"))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_output_norm_is_the_mean_squared_norm_after_w_o(family):
+    """Sandoval-Segura et al.'s score: E||W_O,h o_h||^2 over real tokens, from the output projection's input."""
+    model = tiny_model(family)
+    batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
+    inputs = calibrate(model, batch, SinkSpec("first"))
+    ad, g = arch.adapter_for(model), arch.geometry(model)
+    seen = {}
+    hooks = [arch.get(b, ad.o_proj).register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0].detach()))
+             for i, b in enumerate(arch.blocks(model))]
+    with torch.no_grad():
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+              position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp_min(0))
+    for h in hooks:
+        h.remove()
+    real = batch.attention_mask.bool()
+    want = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    for layer in range(g.n_layers):
+        w = arch.o_weight_cols(model, layer).double()  # (d_model, H * d)
+        x = seen[layer].double()[real]  # (tokens, H * d)
+        for h in range(g.n_heads):
+            cols = slice(h * g.head_dim, (h + 1) * g.head_dim)
+            want[layer, h] = (x[:, cols] @ w[:, cols].t()).square().sum(-1).mean()
+    got = scoring.get_scorer("output-norm")(inputs, torch.ones(g.n_layers, g.n_heads, dtype=torch.bool))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("compensation", ["zero", "mean", "refit"])
+def test_ablation_equals_removing_each_head_and_measuring(compensation):
+    """The `ablation` scorer is literally: remove the head (physically, with the compensation), measure the
+    calibration loss on the subset, subtract the unpruned loss."""
+    import copy
+
+    from pruner.core.data import TokenBatch
+    from pruner.pruning import surgery
+    from pruner.pruning.ablation import token_nll
+
+    model = tiny_model("gpt2")
+    batch = pad(ragged_batch(seed=3, n=24, min_len=20, max_len=30), 0)
+    inputs = calibrate(model, batch, SinkSpec("first"), ablation=(compensation, 5), ridge=1e-3)
+    sub = TokenBatch(batch.input_ids[:5], batch.attention_mask[:5])
+    s0, c0 = token_nll(model, sub)
+    g = arch.geometry(model)
+    for layer in range(g.n_layers):
+        for h in range(g.n_heads):
+            pruned = copy.deepcopy(model)
+            comp = surgery.compensate(model, {layer: [h]}, inputs.stats.outputs, compensation, 1e-3)
+            surgery.remove_heads(pruned, {layer: [h]}, comp)
+            s, c = token_nll(pruned, sub)
+            assert inputs.ablation[layer, h].item() == pytest.approx(s / c - s0 / c0, abs=1e-6)
+    assert inputs.costs["ablation"]["passes"] == g.n_layers * g.n_heads + 1
+    assert inputs.costs["ablation"]["windows"] == 5

@@ -15,6 +15,8 @@ from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed, precision, resume
 from pruner.core.data import TokenBatch, mask_tokens
 from pruner.core.runtime import attends_causally, forward
+from pruner.pruning import surgery
+from pruner.pruning.ablation import Ablations, single_head_ablations, subset
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 
 
@@ -132,10 +134,12 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
               batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3,
-              checkpoints: resume.Checkpoints = resume.NONE) -> ScoringInputs:
+              checkpoints: resume.Checkpoints = resume.NONE, ablation: tuple[str, int] | None = None) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
     `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
+    `ablation` = (compensation, samples): also measure every head removed alone on the first
+    `samples` calibration samples (`pruner.pruning.ablation`, the `ablation` scorer).
     With `checkpoints` both passes save their sums now and then and resume from them.
     """
     if not config.outputs:
@@ -154,9 +158,26 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
+    measured = None if ablation is None else _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress)
     grams = layer_grams(model)
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
-                         cross=cross_energy(stats.outputs, grams),
-                         layer_gram=grams, intercept=intercept, ridge=ridge)
+                         cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=intercept,
+                         ridge=ridge, ablation=None if measured is None else measured.increase,
+                         costs={} if measured is None else {"ablation": measured.cost()})
+
+
+def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: tuple[str, int], ridge, seed: int,
+               progress: bool) -> Ablations:
+    """Single-head ablations on the first samples, compensated as the run compensates (masked LM: seeded masks)."""
+    kind, n = ablation
+    sub, labels = subset(batch, n), None
+    if not attends_causally(model):
+        if not (hasattr(model, "cls") or hasattr(model, "lm_head")):
+            raise ValueError("the ablation scorer needs a language-model head (causal LM or masked LM)")
+        masked, labels = mask_tokens(sub.input_ids, sub.attention_mask, tokenizer, 0.15,
+                                     torch.Generator().manual_seed(seed))
+        sub = TokenBatch(masked, sub.attention_mask)
+    return single_head_ablations(model, sub, lambda heads: surgery.compensate(model, heads, stats.outputs, kind, ridge),
+                                 labels, progress=progress)

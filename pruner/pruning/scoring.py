@@ -30,11 +30,13 @@ class ScoringInputs:
     gram: Tensor                # (layer, head, d_head, d_head): W_O,h^T W_O,h
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
+    ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
     layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of each whole projection
     intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
     ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
+    costs: dict = field(default_factory=dict)  # what the measured scorers' extra passes cost ({"ablation": ...})
     _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
 
     def refit_systems(self) -> list[refit.System]:
@@ -55,6 +57,7 @@ class Scorer:
     fn: Callable[[ScoringInputs, Tensor, str], Tensor]
     adaptive: bool = False      # re-score among survivors after every removal
     needs_gradient: bool = False
+    needs_ablation: bool = False  # L x H measured passes (`pruner.pruning.ablation`)
     convention: str | None = None  # the convention a redundancy scorer compares heads under
     doc: str = ""
     reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
@@ -200,6 +203,45 @@ def _refit_energy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     return refit_costs(inputs, alive) / residual.double()[:, None]
 
 
+def _bos_sink(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Sok et al. 2026 ("BOS sink heads"): the mean attention a head gives the sink, highest pruned first.
+
+    The sink is the run's sink set: the first token by default for decoders, which is the
+    paper's BOS score exactly (`[CLS]`/`[SEP]` for encoders). A head that parks nearly all
+    of its attention there writes a near-constant vector: the paper prunes those first.
+    """
+    return -inputs.stats.sink_mass
+
+
+def output_norm(inputs: ScoringInputs) -> Tensor:
+    """E||W_O,h o_h||^2 per head: the mean squared norm of what each head writes into the residual stream.
+    (layer, head), float64.
+
+    After W_O, not before: the residual stream receives W_O,h o_h, and a head with large
+    values but small output columns (or the reverse) writes little (much); the norm of o_h
+    alone would rank heads by a scale the next layer never sees. E[o o^T] is the head's
+    uncentred second moment from the calibration capture, so the mean (the sink channel's
+    near-constant vector) counts: a head that writes a large constant is not inactive.
+    """
+    rows = []
+    for m, g in zip(inputs.stats.outputs, inputs.gram):  # g: (H, d, d) W_O,h^T W_O,h
+        rows.append(torch.einsum("hde,hed->h", g.double(), m.oo.double() / m.tokens))
+    return torch.stack(rows).clamp_min(0)
+
+
+def _output_norm(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Sandoval-Segura et al. 2025 ("inactive heads"): the head output norm, lowest pruned first."""
+    return output_norm(inputs)
+
+
+def _ablation(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """The measured reference: the calibration-loss increase when the head alone is removed (with the run's
+    compensation), on a calibration subset. Computed by `pruner.pruning.ablation` (L x H extra passes)."""
+    if inputs.ablation is None:
+        raise ValueError("the ablation scorer needs measured single-head ablations (calibrate with ablation=...)")
+    return inputs.ablation
+
+
 def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     """Full-row entropy (bertology style): the lowest-entropy heads go first."""
     return inputs.stats.entropy_full
@@ -237,6 +279,12 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices", reads="weights (no attention rows)"),
     Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm",
            reads="head outputs (no attention rows)"),
+    Scorer("bos-sink", _bos_sink, doc="Sok et al. 2026: mean attention to the sink (BOS), highest pruned first",
+           reads="sink mass"),
+    Scorer("output-norm", _output_norm, doc="Sandoval-Segura et al. 2025: mean squared norm of the head's output "
+           "after W_O, lowest pruned first", reads="head outputs (no attention rows)"),
+    Scorer("ablation", _ablation, needs_ablation=True, doc="measured: calibration-loss increase when the head "
+           "alone is removed with the run's compensation", reads="the loss (L x H extra passes)"),
     Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
 ]}
 

@@ -126,9 +126,10 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     return session
 
 
-def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> ScoringInputs:
-    """The calibration pass (capture, and the gradient pass when a scorer needs it), after checking
-    that its estimated peak memory fits (`pruner.runs.resources`)."""
+def scoring_inputs(session: Session, gradient: bool, progress: bool = True, ablation: bool = False) -> ScoringInputs:
+    """The calibration pass (capture, the gradient pass and the single-head ablations when a scorer needs
+    them), after checking that its estimated peak memory fits (`pruner.runs.resources`). The ablations
+    remove each head with the recipe's compensation (surgery.compensation), on scorer.ablation_samples."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
@@ -139,7 +140,8 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True) -> S
             chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
-                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints)
+                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
+                     ablation=(r.surgery.compensation, r.scorer.ablation_samples) if ablation else None)
 
 
 def stage(session: Session, name: str, compute):
@@ -184,7 +186,8 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     cfg = selection_config(recipe)
     check_target(geom, cfg)  # an impossible target fails before any calibration compute
     if inputs is None:
-        inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress)
+        inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress,
+                                ablation=scorer.needs_ablation)
     plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
     sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
     if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
@@ -280,7 +283,8 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     gqa_modes = gqa_modes or [recipe.selection.gqa]
     if "refit" in compensations:
         check_refit_tokens(session)
-    inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress)
+    inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
+                            ablation=any(get_scorer(s).needs_ablation for s in scorers))
     base = base_metrics(session, progress)
     geom = arch.geometry(session.model)
     records = []
@@ -301,6 +305,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
             fit = refit_record(comp, spec, inputs)
             records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
                             "heads": {str(k): v for k, v in plan.heads.items()}, **m,
+                            **({"scorer_cost": inputs.costs[name]} if name in inputs.costs else {}),
                             **({} if fit is None else {"unexplained": fit["unexplained"],
                                                        "unexplained_relative": fit["relative"]})})
     return records
@@ -353,6 +358,8 @@ def run(session: Session, progress: bool = True) -> RunResult:
     fit = refit_record(comp, recipe.surgery, plan.calibration)
     if fit is not None:
         metrics["refit"] = fit
+    if plan.scorer in plan.calibration.costs:  # a measured scorer: what its extra passes cost
+        metrics["scorer_cost"] = plan.calibration.costs[plan.scorer]
     return RunResult(plan, metrics, model, session.tokenizer, comp, recipe)
 
 

@@ -70,6 +70,8 @@ class SinkSection(_Strict):
 class ScorerSpec(_Strict):
     name: str = "sink-aware"
     convention: Literal["full", "content"] | None = None
+    ablation_samples: int = Field(16, ge=1, description="ablation scorer: calibration samples each single-head "
+                                                        "removal is measured on (layers x heads passes over them)")
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,91 @@
+"""The measured reference every proxy is judged against: remove one head, measure the loss.
+
+`single_head_ablations` removes each head alone -- under the scoped mask, with the
+compensation the run uses -- and measures the calibration loss on a subset of the
+calibration samples: L x H + 1 passes over that subset. It is what a scorer would
+ideally predict for one head (the `ablation` scorer ranks heads by it), and what the
+cheap proxies are compared with; it is not a search over sets (removing two heads is
+not the sum of removing each).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.core import arch, distributed
+from pruner.core.data import TokenBatch
+from pruner.core.runtime import forward
+from pruner.pruning import surgery
+
+
+@dataclass(frozen=True)
+class Ablations:
+    """Loss increase per head removed alone (layer, head), float64, and what measuring it cost."""
+
+    increase: torch.Tensor
+    base_loss: float
+    windows: int
+    passes: int
+    seconds: float
+
+    def cost(self) -> dict:
+        return {"passes": self.passes, "windows": self.windows, "seconds": round(self.seconds, 1)}
+
+
+def subset(batch: TokenBatch, n: int) -> TokenBatch:
+    """The first `n` samples: the calibration samples are already a seeded random draw."""
+    return TokenBatch(batch.input_ids[:n], batch.attention_mask[:n])
+
+
+@torch.no_grad()
+def token_nll(model, batch: TokenBatch, labels: torch.Tensor | None = None, batch_size: int = 8) -> tuple[float, int]:
+    """(sum of NLL, target count) over a batch: next-token targets for decoders, or `labels`
+    (-100 off-target) for a masked LM whose `batch.input_ids` are already masked."""
+    total, count = 0.0, 0
+    for i in range(0, len(batch), batch_size):
+        ids, mask = batch.input_ids[i:i + batch_size], batch.attention_mask[i:i + batch_size]
+        logits = forward(model, ids, mask).logits.float()
+        if labels is None:
+            logits, target = logits[:, :-1], ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        else:
+            target = labels[i:i + batch_size]
+        target = target.to(logits.device)
+        total += float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100,
+                                                         reduction="sum"))
+        count += int((target != -100).sum())
+    return total, count
+
+
+def single_head_ablations(model, batch: TokenBatch, compensate: Callable[[surgery.HeadSet], surgery.Compensation],
+                          labels: torch.Tensor | None = None, batch_size: int = 8,
+                          progress: bool = False) -> Ablations:
+    """Mean calibration NLL with each head removed alone, minus the unpruned model's. (layer, head)
+
+    `compensate(heads)` gives the compensation of removing `heads` (zero, mean or refit, as the
+    run applies it). With several processes each takes every world-th sample; the sums are
+    added in rank order, so any process count gives the same numbers.
+    """
+    g = arch.geometry(model)
+    mine = distributed.shard_indices(len(batch))
+    part = TokenBatch(batch.input_ids[mine], batch.attention_mask[mine])
+    lab = None if labels is None else labels[mine]
+    t0 = time.perf_counter()
+
+    def loss() -> float:
+        s, c = token_nll(model, part, lab, batch_size)
+        s, c = distributed.sum_in_rank_order(torch.tensor([s, float(c)], dtype=torch.float64)).tolist()
+        return s / max(c, 1.0)
+
+    base = loss()
+    out = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    heads = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads)]
+    for layer, h in tqdm(heads, desc="ablation", unit="head") if progress else heads:
+        one = {layer: [h]}
+        with surgery.masked(model, one, compensate(one)):
+            out[layer, h] = loss() - base
+    return Ablations(out, base, len(batch), len(heads) + 1, time.perf_counter() - t0)
