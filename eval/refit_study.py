@@ -37,6 +37,7 @@ from pruner.core.tables import change_cell, markdown_table
 from pruner.evaluation.perplexity import masked_lines, paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
 from pruner.pruning.calibrate import calibrate
+from pruner.pruning.compensation import compensate, refit_layer, refit_sequential
 from pruner.pruning.scoring import SCORERS, Scorer, get_scorer
 from pruner.pruning.selection import SelectionConfig, SelectionError, select
 from pruner.runs.recipe import ModelSpec
@@ -64,17 +65,17 @@ def scorer_of(name: str) -> Scorer:
 
 def compensation(name: str, model, heads, outputs, collect, ridge: float):
     if name in ("zero", "mean", "refit"):
-        return surgery.compensate(model, heads, outputs, name, ridge)
+        return compensate(model, heads, outputs, name, ridge)
     if name == "refit-seq":
-        return surgery.refit_sequential(model, heads, collect, ridge)
+        return refit_sequential(model, heads, collect, ridge)
     if name == "refit-noint":
         comp = surgery.Compensation("refit")
         for layer, hs in heads.items():
-            fit = surgery.refit_layer(model, layer, hs, outputs[layer], ridge, intercept=False)
+            fit = refit_layer(model, layer, hs, outputs[layer], ridge, intercept=False)
             comp.weight[layer] = fit.delta_w.float()
         return comp
     if name.startswith("refit-ridge="):
-        return surgery.compensate(model, heads, outputs, "refit", float(name.split("=")[1]))
+        return compensate(model, heads, outputs, "refit", float(name.split("=")[1]))
     raise ValueError(name)
 
 

@@ -21,6 +21,7 @@ from pruner.core import arch, assets, data
 from pruner.evaluation.perplexity import paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
 from pruner.pruning.calibrate import calibrate
+from pruner.pruning.compensation import compensation_bias
 from pruner.pruning.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact
 from pruner.pruning.selection import SelectionConfig, select
 
@@ -176,7 +177,7 @@ def main() -> None:
         cells = []
         for t in targets:
             plan = select(scorer, inputs, geom, SelectionConfig(target=t))
-            bias = surgery.compensation_bias(model, plan.heads, inputs.stats.outputs)
+            bias = compensation_bias(model, plan.heads, inputs.stats.outputs)
             with surgery.masked(model, plan.heads, bias):
                 d = paired_delta(base, window_nll(model, dev), n_boot=1)
             cells.append(d.delta)

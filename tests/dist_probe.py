@@ -27,8 +27,8 @@ def main() -> None:
     from pruner.core import arch, distributed
     from pruner.core.data import pad
     from pruner.evaluation.perplexity import EvalWindows, window_nll
-    from pruner.pruning import surgery
     from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.compensation import compensate, refit_sequential
     from pruner.pruning.scoring import get_scorer
     from pruner.pruning.selection import SelectionConfig, select
 
@@ -46,10 +46,10 @@ def main() -> None:
         plans = {name: select(get_scorer(name), inputs, arch.geometry(model), SelectionConfig(target=0.25)).heads
                  for name in ("sink-aware", "gradient", "fluctuation", "refit-energy")}
         heads = plans["refit-energy"]
-        refit = surgery.compensate(model, heads, inputs.stats.outputs, "refit")
+        refit = compensate(model, heads, inputs.stats.outputs, "refit")
         collect = lambda: capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(  # noqa: E731
             metrics=(), outputs=True), batch_size=2).outputs
-        seq = surgery.refit_sequential(model, heads, collect)
+        seq = refit_sequential(model, heads, collect)
         comp = {f"{name}/{kind}/{layer}": v for name, c in (("oneshot", refit), ("sequential", seq))
                 for kind in ("bias", "weight") for layer, v in getattr(c, kind).items()}
         out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,

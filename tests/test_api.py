@@ -11,6 +11,7 @@ import torch
 
 import pruner
 from pruner.cli import main
+from pruner.pruning.compensation import compensate
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +87,8 @@ def test_apply_refit_keeps_a_vanilla_llama():
     model, tok = llama_in_memory()
     plan = pruner.plan(model, tok, "shakespeare:calibration", target=0.5, budget="layer", **QUICK)
     ids = torch.randint(3, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    comp = surgery.compensate(model, plan.heads, plan.calibration.stats.outputs, "refit")
+    stats = plan.calibration.stats
+    comp = compensate(model, plan.heads, stats.outputs, "refit", "auto", stats.folds)  # the default ridge: auto
     with surgery.masked(model, plan.heads, comp), torch.no_grad():
         scoped = model(ids).logits
     with surgery.masked(model, plan.heads), torch.no_grad():

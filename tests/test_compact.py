@@ -28,6 +28,7 @@ from pruner.core import arch, assets
 from pruner.core.data import pad
 from pruner.core.runtime import forward
 from pruner.pruning import surgery
+from pruner.pruning.compensation import compensation_bias
 
 pytestmark = pytest.mark.integration
 GQA = ("llama", "mistral", "qwen2", "qwen3")
@@ -54,7 +55,7 @@ def pruned(family, heads=None, compensation=True):
         batch = pad(ragged_batch(seed=3), 0)
         spec = SinkSpec("first") if family in CAUSAL else SinkSpec("ids", ids=(1,))
         outputs = capture_stats(model, batch, spec, config=CaptureConfig(metrics=(), outputs=True)).outputs
-        bias = surgery.compensation_bias(model, heads, outputs)
+        bias = compensation_bias(model, heads, outputs)
     surgery.remove_heads(model, heads, bias)
     if family in CAUSAL:  # a saved decoder names its head class (tiny configs leave architectures empty)
         model.config.architectures = [type(model).__name__]

@@ -24,6 +24,7 @@ from pruner.checkpoints import loading
 from pruner.cli import main
 from pruner.core import assets, runtime
 from pruner.pruning import surgery
+from pruner.pruning.compensation import compensate
 from pruner.runs import export, folders
 
 pytestmark = pytest.mark.integration
@@ -301,7 +302,7 @@ def test_refit_compensation_exports_where_mean_cannot(tmp_path, capsys):
     heads = {0: [0, 1], 1: [2, 3]}  # one whole KV group per layer: 2 query heads over 1 KV head everywhere
     batch = pad(ragged_batch(seed=3, n=10), 0)
     outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
-    comp = surgery.compensate(model, heads, outputs, "refit")
+    comp = compensate(model, heads, outputs, "refit")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "recipe.yaml").write_text(f"model: {{path: {base}}}\n")

@@ -18,6 +18,7 @@ from pruner.core import arch
 from pruner.core.data import pad
 from pruner.core.runtime import forward
 from pruner.pruning import refit, surgery
+from pruner.pruning.compensation import compensate, refit_layer, refit_sequential
 from pruner.runs import export, folders
 
 D_MODEL, H, HD = 6, 4, 3
@@ -209,11 +210,11 @@ def copy_head(model, family: str, layer: int, src: int, dst: int, value_map: tor
 def test_no_head_pruned_is_the_identity(family):
     model, batch = tiny_model(family), pad(ragged_batch(seed=1), 0)
     before = logits(model, batch)
-    comp = surgery.compensate(model, {0: [], 1: []}, outputs_of(model, batch, family), "refit")
+    comp = compensate(model, {0: [], 1: []}, outputs_of(model, batch, family), "refit")
     assert not comp
     with surgery.masked(model, {0: [], 1: []}, comp):
         assert torch.equal(logits(model, batch), before)
-    w = surgery.refit_layer(model, 0, [], outputs_of(model, batch, family)[0], 1e-3)
+    w = refit_layer(model, 0, [], outputs_of(model, batch, family)[0], 1e-3)
     assert not w.delta_w.any()
 
 
@@ -233,11 +234,11 @@ def test_heads_the_kept_ones_rebuild_exactly_leave_the_outputs_unchanged(family,
             copy_head(model, family, layer, src, h, r)
     batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
     full = logits(model, batch)
-    comp = surgery.compensate(model, heads, outputs_of(model, batch, family), "refit", ridge=1e-10)
+    comp = compensate(model, heads, outputs_of(model, batch, family), "refit", ridge=1e-10)
     assert set(comp.weight) == set(heads) and (bool(comp.bias) == (family in ("gpt2", "bert")))
     with surgery.masked(model, heads, comp):
         torch.testing.assert_close(logits(model, batch), full, rtol=0, atol=1e-5)
-    with surgery.masked(model, heads, surgery.compensate(model, heads, outputs_of(model, batch, family), "mean")):
+    with surgery.masked(model, heads, compensate(model, heads, outputs_of(model, batch, family), "mean")):
         assert not torch.allclose(logits(model, batch), full, atol=1e-3)  # what refit recovered mattered
     fresh = tiny_model(family)
     fresh.load_state_dict(model.state_dict())
@@ -255,7 +256,7 @@ def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     batch = pad(ragged_batch(seed=5), 0)
     heads = heads_for(family)
     ref = tiny_model(family)
-    comp = surgery.compensate(ref, heads, outputs_of(ref, batch, family), "refit")
+    comp = compensate(ref, heads, outputs_of(ref, batch, family), "refit")
     assert comp.kind == "refit" and set(comp.fits) == set(heads)
     with surgery.masked(ref, heads, comp):
         scoped = logits(ref, batch)
@@ -274,7 +275,7 @@ def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     if family == "llama":  # uniform: 2 of 4 heads over 2 KV heads in each layer, explicit head_dim: compact saves
         uniform = {0: [1, 3], 1: [1, 3]}
         removed = tiny_model(family)
-        surgery.remove_heads(removed, uniform, surgery.compensate(ref, uniform, outputs_of(ref, batch, family), "refit"))
+        surgery.remove_heads(removed, uniform, compensate(ref, uniform, outputs_of(ref, batch, family), "refit"))
         saved = folders.save_checkpoint(removed, tok, tmp_path / "compact", removed=True)
         assert saved.max_diff <= export.ATOL and saved.layout == "vanilla"
         import json
@@ -295,7 +296,7 @@ def word_tokenizer():
 def test_compensation_file_round_trips_and_reads_old_bias_only_files(tmp_path):
     model, batch = tiny_model("gpt2"), pad(ragged_batch(), 0)
     heads = {0: [1], 1: [0, 2]}
-    comp = surgery.compensate(model, heads, outputs_of(model, batch, "gpt2"), "refit")
+    comp = compensate(model, heads, outputs_of(model, batch, "gpt2"), "refit")
     folders.save_compensation(comp, tmp_path / "c.safetensors")
     back = folders.load_compensation(tmp_path / "c.safetensors")
     assert back.kind == "refit" and back.bias.keys() == comp.bias.keys() == back.weight.keys() == {0, 1}
@@ -316,8 +317,8 @@ def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_p
     heads = {0: [1, 2], 1: [0]}
     collect = lambda: outputs_of(model, batch, "gpt2")  # noqa: E731
     calls = []
-    seq = surgery.refit_sequential(model, heads, lambda: calls.append(1) or collect())
-    one = surgery.compensate(model, heads, collect(), "refit")
+    seq = refit_sequential(model, heads, lambda: calls.append(1) or collect())
+    one = compensate(model, heads, collect(), "refit")
     assert len(calls) == 2
     torch.testing.assert_close(seq.weight[0], one.weight[0], rtol=0, atol=1e-6)  # nothing pruned below layer 0
     assert not torch.allclose(seq.weight[1], one.weight[1], atol=1e-4)
@@ -351,3 +352,104 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     assert (first.layer, first.head) in ((1, 0), (1, 3))
     assert (plan.entries[1].layer, plan.entries[1].head) not in ((1, 0), (1, 3))  # never both twins
     assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-6
+
+
+# --- ridge auto: cross-validation over calibration folds (DESIGN section 8.2) -------------------------
+
+
+def fold_sums(x: torch.Tensor, k: int):
+    """(joint (K, D, D), o (K, D), n (K,)) of rows assigned to fold i mod k."""
+    parts = [x[i::k] for i in range(k)]
+    return (torch.stack([p.t() @ p for p in parts]), torch.stack([p.sum(0) for p in parts]),
+            torch.tensor([float(len(p)) for p in parts], dtype=torch.float64))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("intercept", [True, False])
+def test_heldout_energy_equals_fitting_without_the_fold_and_measuring_on_it(intercept):
+    """Every ridge of the grid from one eigendecomposition equals the direct computation: fit on the other
+    folds' rows (closed form), predict the held-out rows, W_P-weighted squared error averaged (1e-8)."""
+    x, w, p = samples(n=300, seed=4), weight(), channels([0, 2])
+    joint, o, n = fold_sums(x, 3)
+    grid = (1e-4, 1e-2, 1.0, float("inf"))
+    got = refit.heldout_energies(w, joint, o, n, p, intercept, grid)
+    for f in range(3):
+        train = torch.cat([x[i::3] for i in range(3) if i != f])
+        test = x[f::3]
+        mu, s = refit.second_moment(train.sum(0), train.t() @ train, len(train), intercept)
+        for i, rel in enumerate(grid):
+            fit = refit.fit_layer(w, mu if intercept else None, s, p, rel)
+            err = (test @ fit.delta_w.t() - test[:, p] @ w[:, p].t())  # the kept part's correction minus the loss
+            if intercept:
+                err = err + fit.delta_b
+            want = err.square().sum(-1).mean()
+            assert got[f, i].item() == pytest.approx(want.item(), rel=1e-8)
+
+
+@pytest.mark.unit
+def test_ridge_choice_takes_the_largest_within_one_standard_error():
+    x, w, p = samples(n=300, seed=5), weight(), channels([1])
+    joint, o, n = fold_sums(x, 4)
+    choice = refit.choose_ridge(w, joint, o, n, p, True)
+    best = min(choice.heldout)
+    i = choice.grid.index(choice.ridge)
+    assert choice.heldout[i] <= best + choice.spread[choice.heldout.index(best)]
+    assert all(h > best + choice.spread[choice.heldout.index(best)] for h in choice.heldout[i + 1:])
+
+
+@pytest.mark.integration
+def test_infinite_ridge_is_mean_compensation():
+    """ridge -> infinity: no regression, the intercept alone; on a model with biases that is mean compensation
+    (the masked model's logits to 1e-6)."""
+    model = tiny_model("gpt2")
+    batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
+    outputs = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True)).outputs
+    heads = {0: [1, 2], 1: [3]}
+    ids = batch.input_ids[:3]
+    logits = {}
+    for name, comp in (("mean", compensate(model, heads, outputs, "mean")),
+                       ("inf", compensate(model, heads, outputs, "refit", float("inf")))):
+        with surgery.masked(model, heads, comp), torch.no_grad():
+            logits[name] = forward(model, ids, torch.ones_like(ids)).logits
+    torch.testing.assert_close(logits["inf"], logits["mean"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.integration
+def test_a_twin_head_gets_a_small_ridge_and_ordinary_heads_a_larger_one():
+    """A head the others rebuild exactly (a copy) is refitted with the smallest ridges of the grid; a head with
+    nothing to rebuild it from is not."""
+    model = tiny_model("gpt2")
+    copy_head(model, "gpt2", 1, 0, 3)
+    batch = pad(ragged_batch(seed=3, n=40, min_len=20, max_len=30), 0)
+    stats = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True, folds=4))
+    from pruner.pruning.compensation import choose_layer_ridge
+
+    twin = choose_layer_ridge(model, 1, [3], stats.folds[1])
+    assert twin.ridge <= 1e-4 and twin.best < 1e-3 * twin.heldout[-1]  # rebuilt: held-out energy ~ 0
+    other = choose_layer_ridge(model, 0, [2], stats.folds[0])
+    assert other.ridge > twin.ridge
+
+
+@pytest.mark.integration
+def test_fold_moments_add_up_and_do_not_depend_on_the_batch_size():
+    model = tiny_model("llama")
+    batch = pad(ragged_batch(seed=3, n=13, max_len=30), 0)
+    cfg = CaptureConfig(metrics=(), outputs=True, folds=3)
+    a = capture_stats(model, batch, SinkSpec("first"), config=cfg, batch_size=2)
+    b = capture_stats(model, batch, SinkSpec("first"), config=cfg, batch_size=5)
+    for la, lb in zip(a.folds, b.folds):
+        assert torch.equal(la.tokens, lb.tokens)
+        # float32 products on rows centred per batch and fold: batches change the rounding, not the sums
+        torch.testing.assert_close(la.joint, lb.joint, rtol=0, atol=1e-6 * float(la.joint.abs().max()))
+    for layer, out in enumerate(a.outputs):
+        torch.testing.assert_close(a.folds[layer].joint.sum(0), out.joint, rtol=1e-12, atol=0)
+        assert float(a.folds[layer].tokens.sum()) == float(out.tokens)
+    tokens = batch.attention_mask.sum(-1)
+    assert a.folds[0].tokens.tolist() == [float(tokens[i::3].sum()) for i in range(3)]
+
+
+@pytest.mark.unit
+def test_too_few_calibration_tokens_per_channel_is_a_warning_that_says_how_many():
+    assert refit.token_advice(3840, 384) is None
+    advice = refit.token_advice(2048, 384)
+    assert "384 output-projection channels" in advice and "3,840 or more" in advice and "num_samples" in advice

@@ -11,6 +11,7 @@ from pruner.core import arch
 from pruner.core.data import pad
 from pruner.pruning import scoring
 from pruner.pruning.calibrate import calibrate, gradient_importance, lm_loss
+from pruner.pruning.compensation import compensate
 from pruner.pruning.selection import SelectionConfig, SelectionError, convention_sensitivity, select
 
 pytestmark = pytest.mark.integration
@@ -200,7 +201,7 @@ def test_ablation_equals_removing_each_head_and_measuring(compensation):
     for layer in range(g.n_layers):
         for h in range(g.n_heads):
             pruned = copy.deepcopy(model)
-            comp = surgery.compensate(model, {layer: [h]}, inputs.stats.outputs, compensation, 1e-3)
+            comp = compensate(model, {layer: [h]}, inputs.stats.outputs, compensation, 1e-3)
             surgery.remove_heads(pruned, {layer: [h]}, comp)
             s, c = token_nll(pruned, sub)
             assert inputs.ablation[layer, h].item() == pytest.approx(s / c - s0 / c0, abs=1e-6)

@@ -12,6 +12,7 @@ from pruner.core import arch
 from pruner.core.data import pad
 from pruner.core.runtime import forward
 from pruner.pruning import surgery
+from pruner.pruning.compensation import compensate
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +55,7 @@ def test_mask_equals_remove(family, compensation):
     heads = heads_for(family)
     ref = tiny_model(family)
     outputs = outputs_of(ref, batch, family)
-    bias = surgery.compensate(ref, heads, outputs, compensation)
+    bias = compensate(ref, heads, outputs, compensation)
     with surgery.masked(ref, heads, bias):
         scoped = logits(ref, batch)
     full = logits(ref, batch)

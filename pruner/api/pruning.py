@@ -27,14 +27,15 @@ def plan(model=None, tokenizer=None, data=None, *, recipe=None, progress: bool =
     return pipeline.make_plan(call.session(progress, evaluation=False), progress=progress)
 
 
-def apply(model, plan: Plan, compensation: str = "refit", mode: str = "mask", ridge: float = 1e-3):
+def apply(model, plan: Plan, compensation: str = "refit", mode: str = "mask", ridge: float | str = "auto"):
     """Prune `model` in place as `plan` says and return it.
 
     `mode`: `mask` zeroes the heads' output-projection columns (every shape kept),
     `remove` slices them out (smaller and faster). `compensation`: `mean` folds each
     pruned head's mean output over the plan's calibration into the output bias,
     `refit` refits the kept heads' output-projection columns to rebuild what the
-    pruned ones wrote (ridge least squares, `ridge` relative; plain weights, no config
+    pruned ones wrote (ridge least squares, `ridge` relative, or "auto": cross-validated per
+    layer over the calibration folds the plan carries; plain weights, no config
     change), `zero` does neither (the only choice for a plan read back from plan.json).
     """
     spec = validate_section("surgery", {"compensation": compensation, "mode": mode, "ridge": ridge})

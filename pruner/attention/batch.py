@@ -39,6 +39,7 @@ class ForwardBatch:
     rows: torch.Tensor    # (B, T) head-level rows: real tokens that are not sinks
     layers: dict = dataclasses.field(default_factory=dict)  # see layer_keys
     residual: list = dataclasses.field(default_factory=list)  # per block: sum of ||h||^2 over real tokens
+    folds: torch.Tensor | None = None  # (B,) each sample's calibration fold (ridge `auto`), else None
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mask2d, sink, rows on `device` (device_map: each layer's own)."""

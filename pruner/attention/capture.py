@@ -56,6 +56,7 @@ class CaptureConfig:
     metrics: tuple[str, ...] = ("cosine", "js")
     dormant_threshold: float = 0.9
     outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
+    folds: int = 0  # also the output moments per fold of whole samples (cross-validating refit's ridge)
     across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
     fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
 
@@ -64,6 +65,8 @@ class CaptureConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.across_layers and self.outputs:
             raise ValueError("across_layers and outputs cannot be captured together")
+        if self.folds and (self.folds < 2 or not self.outputs):
+            raise ValueError(f"folds must be 0 or >= 2, with outputs=True (got {self.folds})")
         if self.outputs and not self.fused:
             raise ValueError("output moments are computed by the fused attention (fused=True)")
         bad = set(self.metrics) - set(pairs.PAIR_METRICS)
@@ -143,6 +146,8 @@ class Capture:
         if _ACTIVE is not self:
             raise RuntimeError("Capture.run must be called inside `with Capture(...)`")
         device = input_device(self.model)  # the first device under a device_map
+        K = self.config.folds  # sample i of the whole batch is in fold i mod K, whichever process takes it
+        folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
         batch = distributed.shard(batch)  # several processes: every world-th sample; result() reduces
         n_batches = -(-len(batch) // batch_size)
         done = self._restore(checkpoints.load(name))
@@ -156,7 +161,8 @@ class Capture:
                 self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
             else:
                 sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
-            self._batch = ForwardBatch(mask2d, sink, mask2d.bool() & ~sink)
+            self._batch = ForwardBatch(mask2d, sink, mask2d.bool() & ~sink,
+                                       folds=None if folds is None else folds[(k - 1) * batch_size:k * batch_size])
             try:
                 forward(self.model.base_model, ids, mask2d, use_cache=False)  # no logits, no KV cache
                 if self._kept:
@@ -185,7 +191,8 @@ class Capture:
             raise RuntimeError("a resumed capture must start empty (one Capture.run per checkpointed stage)")
         blocks = arch.blocks(self.model)
         device = lambda i: next(blocks[i].parameters()).device  # noqa: E731
-        layers = resume.unplain(state["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments})
+        layers = resume.unplain(state["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments,
+                                                  "FoldMoments": moments.FoldMoments})
         self.layers = {i: s.to(device(i)) for i, s in layers.items()}
         self._residual, self._tokens = state["residual"], state["tokens"]
         self._received, self._n_layers = state["received"], state["n_layers"]
@@ -223,7 +230,10 @@ class Capture:
         out, u, total = st.attend(inputs, keys, self.config.metrics, self.config.dormant_threshold, self._work)
         if self.config.outputs:
             rows = self._batch.mask2d.to(query.device)  # every real token's output, sinks included
-            total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, query.dtype == torch.bfloat16))
+            bf16 = query.dtype == torch.bfloat16
+            folds = None if self._batch.folds is None else \
+                moments.fold_moments(out, rows, self._batch.folds, self.config.folds, bf16)
+            total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, bf16, folds), folds=folds)
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
         return out

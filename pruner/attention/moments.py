@@ -42,7 +42,55 @@ class OutputMoments:
         return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
-def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> OutputMoments:
+@dataclass
+class FoldMoments:
+    """One layer's head-output sums per calibration fold (whole samples, sample i in fold i mod K), float64.
+
+    What cross-validating refit's ridge needs (`pruner.pruning.refit.choose_ridge`): any
+    training set is the total minus one fold, any held-out set one fold. Shapes: tokens (K,),
+    o (K, D), joint (K, D, D), D = heads * d_head. K x the joint's memory: ridge `auto` costs that.
+    """
+
+    tokens: Tensor
+    o: Tensor
+    joint: Tensor
+
+    def __add__(self, other: "FoldMoments") -> "FoldMoments":
+        return FoldMoments(self.tokens + other.tokens, self.o + other.o, self.joint + other.joint)
+
+    def to(self, device) -> "FoldMoments":
+        return FoldMoments(self.tokens.to(device), self.o.to(device), self.joint.to(device))
+
+
+def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: bool = False) -> FoldMoments:
+    """`FoldMoments` of one batch: o (B, T, H, d_head); rows (B, T) counted rows; folds (B,) each sample's fold.
+
+    Each fold's rows are centred on their own mean in float32 and uncentred in float64, as
+    `output_moments` does for the whole batch; the whole batch's sums are their sum.
+    """
+    B, T, H, D = o.shape
+    x = o.reshape(B * T, H * D)
+    keep = rows.reshape(-1).bool()
+    of_row = folds.to(o.device).repeat_interleave(T)  # (B * T,)
+    tokens = torch.zeros(n_folds, dtype=torch.float64, device=o.device)
+    sums = torch.zeros(n_folds, H * D, dtype=torch.float64, device=o.device)
+    joint = torch.zeros(n_folds, H * D, H * D, dtype=torch.float64, device=o.device)
+    for f in range(n_folds):
+        xf = x[keep & (of_row == f)].float()  # (N_f, H * d_head)
+        if not len(xf):
+            continue
+        n, total = float(len(xf)), xf.sum(0, dtype=torch.float64)
+        ref = (total / n).float()
+        with matmul_precision(bf16):
+            c = gram(xf - ref, H)
+        r = ref.double()
+        t = total - (n / 2) * r  # sum x x^T = sum xc xc^T + r t^T + t r^T, t = sum (x - r) + n r / 2
+        tokens[f], sums[f], joint[f] = n, total, c.double().addr_(r, t).addr_(t, r)
+    return FoldMoments(tokens, sums, joint)
+
+
+def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
+                   folds: FoldMoments | None = None) -> OutputMoments:
     """Moments of one layer's head outputs over the counted rows of a batch.
 
     o: (B, T, H, d_head) what the output projection receives (any float dtype);
@@ -54,7 +102,8 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> Ou
     costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
     computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model)
     its products run in reduced precision (`matmul_precision`), rounding the centred
-    values by at most 2^-9, no more than the model rounded o itself.
+    values by at most 2^-9, no more than the model rounded o itself. With `folds` (this
+    batch's `fold_moments`), `joint` is their sum: no second pass over the rows.
     """
     B, T, H, D = o.shape
     N = B * T
@@ -74,8 +123,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> Ou
     wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
     uc = uc.view(N, H, D)
     ref_w = (ref_o - ref_u).view(H, D)
-    with matmul_precision(bf16):
-        joint_c = gram(xc, H)
+    if folds is None:
+        with matmul_precision(bf16):
+            joint_c = gram(xc, H)
     per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
     o_sum, u_sum = o_sum.view(H, D), u_sum.view(H, D)
     w_sum = o_sum - u_sum
@@ -90,7 +140,7 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False) -> Ou
             return out.addr_(r, t).addr_(t, r)
         return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
 
-    joint = uncentre(joint_c, o_sum.view(-1), ref_o)  # (H * d_head, H * d_head)
+    joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
     oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
     return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u.view(H, D)),
                          uncentre(per_head(wc), w_sum, ref_w), joint)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pruner.attention import composition as cp
-from pruner.attention.moments import OutputMoments
+from pruner.attention.moments import FoldMoments, OutputMoments
 
 Tensor = torch.Tensor
 
@@ -46,22 +46,26 @@ class LayerStats:
     dormant: Tensor         # rows with s >= dormant threshold
     pairs: dict[str, Tensor] = field(default_factory=dict)  # "metric/convention" -> (head, head) sums
     outputs: "OutputMoments | None" = None
+    folds: "FoldMoments | None" = None  # the output moments per calibration fold (ridge `auto`)
 
     def __add__(self, other: "LayerStats") -> "LayerStats":
         if self.pairs.keys() != other.pairs.keys():
             raise ValueError("cannot merge statistics with different pairwise metrics")
-        if (self.outputs is None) != (other.outputs is None):
-            raise ValueError("cannot merge statistics with and without output moments")
-        skip = ("pairs", "outputs")
+        if (self.outputs is None) != (other.outputs is None) or (self.folds is None) != (other.folds is None):
+            raise ValueError("cannot merge statistics with and without output moments (or folds)")
+        skip = ("pairs", "outputs", "folds")
         kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name not in skip}
-        outputs = None if self.outputs is None else self.outputs + other.outputs
-        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()}, outputs=outputs)
+        add = lambda a, b: None if a is None else a + b  # noqa: E731
+        return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()},
+                          outputs=add(self.outputs, other.outputs), folds=add(self.folds, other.folds))
 
     def to(self, device) -> "LayerStats":
         """The same sums on `device` (layers of a device_map model live on different devices)."""
-        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in ("pairs", "outputs")}
-        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()},
-                          outputs=None if self.outputs is None else self.outputs.to(device))
+        skip = ("pairs", "outputs", "folds")
+        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in skip}
+        move = lambda x: None if x is None else x.to(device)  # noqa: E731
+        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()}, outputs=move(self.outputs),
+                          folds=move(self.folds))
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class HeadStats:
     excluded_rows: Tensor     # (layer,) rows with < 2 content keys
     pairs: dict[str, Tensor]
     outputs: list[OutputMoments] | None = None  # per layer, sums (see OutputMoments)
+    folds: list[FoldMoments] | None = None  # per layer, the output sums per calibration fold (ridge `auto`)
     residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
     model_pairs: dict[str, Tensor] | None = None  # (layer * head, layer * head), layer-major; see unstack_layers
 
@@ -106,7 +111,8 @@ def finalize(layers: list[LayerStats]) -> HeadStats:
         g=per_head("g", rows), rest=per_head("rest", rows),
         h_content_weighted=st("rest_h_content") / st("rest").clamp_min(1e-300),
         rows=rows, content_rows=crows, excluded_rows=rows - crows, pairs=pairs,
-        outputs=None if layers[0].outputs is None else [s.outputs for s in layers])
+        outputs=None if layers[0].outputs is None else [s.outputs for s in layers],
+        folds=None if layers[0].folds is None else [s.folds for s in layers])
 
 
 def unstack_layers(stacked: HeadStats, n_layers: int) -> HeadStats:

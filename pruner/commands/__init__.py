@@ -36,7 +36,7 @@ def recipe_overrides(args: argparse.Namespace) -> list[str]:
 def sample_args(p: argparse.ArgumentParser, num_samples: int) -> None:
     """Which token rows `sinks` and `analyze` measure."""
     p.add_argument("--data", default="shakespeare:evaluation",
-                   help="shakespeare:<split>, a local .txt file/folder, or a Hub dataset id")
+                   help="shakespeare:<split>, python-docs:<dev|evaluation>, a local .txt file/folder, or a Hub dataset id")
     p.add_argument("--sinks", default=None,
                    help="first | bos | special | auto | ids:ID,... | positions:P,... (default by model)")
     p.add_argument("--unit", choices=("windows", "lines"), default=None,

@@ -72,7 +72,9 @@ def print_summary(m: dict, out, compensated: bool) -> None:
     fit = m.get("refit")
     if fit:
         worst = max(fit["layers"].items(), key=lambda kv: kv[1]["unexplained"] / max(kv[1]["pruned"], 1e-300))
-        print(f"refit compensation ({fit['mode']}, ridge {fit['ridge']:g}): the kept heads rebuild "
+        ridge = ("ridge per layer by cross-validation: " + ", ".join(f"{v['ridge']:g}" for _, v in sorted(
+            fit["layers"].items(), key=lambda kv: int(kv[0]))) if fit["ridge"] == "auto" else f"ridge {fit['ridge']:g}")
+        print(f"refit compensation ({fit['mode']}, {ridge}): the kept heads rebuild "
               f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
               f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
     if m.get("bench"):

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from pruner.core import assets
+from pruner.core import assets, pydocs
 
 
 class DataError(ValueError):
@@ -32,7 +32,8 @@ class DataError(ValueError):
 class TextSource:
     """Where text comes from: a local file/folder, a shipped split, or a Hub dataset.
 
-    `path` is tried in this order: `shakespeare:<split>` (shipped corpus), an
+    `path` is tried in this order: `shakespeare:<split>` (shipped corpus),
+    `python-docs:<dev|evaluation>` (the standard library's docstrings, `pruner.core.pydocs`), an
     existing local file or folder (every `*.txt` inside, sorted), otherwise a Hub
     dataset id loaded with `datasets.load_dataset(path, name, split=split)`.
     """
@@ -73,6 +74,8 @@ def load_texts(source: TextSource) -> list[str]:
     from datasets import load_dataset
 
     path = source.path
+    if path.startswith(pydocs.PREFIX):  # the running Python's standard-library docstrings
+        return list(pydocs.texts(path.removeprefix(pydocs.PREFIX)))
     if path.startswith("shakespeare:"):
         path = str(assets.shakespeare(path.split(":", 1)[1]))
     local = Path(path).expanduser()

@@ -15,8 +15,8 @@ from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed, precision, resume
 from pruner.core.data import TokenBatch, mask_tokens
 from pruner.core.runtime import attends_causally, forward
-from pruner.pruning import surgery
 from pruner.pruning.ablation import Ablations, single_head_ablations, subset
+from pruner.pruning.compensation import compensate
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 
 
@@ -131,13 +131,17 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
+PRICING_RIDGE = 1e-3  # the refit-aware scorer's ridge when refit's own is cross-validated ("auto")
+
+
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
-              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float = 1e-3,
+              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float | str = 1e-3,
               checkpoints: resume.Checkpoints = resume.NONE, ablation: tuple[str, int] | None = None) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
-    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it.
+    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it
+    (with "auto", chosen per pruned set only once the set is known, it prices them at `PRICING_RIDGE`).
     `ablation` = (compensation, samples): also measure every head removed alone on the first
     `samples` calibration samples (`pruner.pruning.ablation`, the `ablation` scorer).
     With `checkpoints` both passes save their sums now and then and resume from them.
@@ -164,7 +168,8 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
                          cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=intercept,
-                         ridge=ridge, ablation=None if measured is None else measured.increase,
+                         ridge=PRICING_RIDGE if ridge == "auto" else ridge,
+                         ablation=None if measured is None else measured.increase,
                          costs={} if measured is None else {"ablation": measured.cost()})
 
 
@@ -179,5 +184,5 @@ def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: tuple[str, 
         masked, labels = mask_tokens(sub.input_ids, sub.attention_mask, tokenizer, 0.15,
                                      torch.Generator().manual_seed(seed))
         sub = TokenBatch(masked, sub.attention_mask)
-    return single_head_ablations(model, sub, lambda heads: surgery.compensate(model, heads, stats.outputs, kind, ridge),
+    return single_head_ablations(model, sub, lambda heads: compensate(model, heads, stats.outputs, kind, ridge, stats.folds),
                                  labels, progress=progress)

@@ -35,6 +35,7 @@ documented fallback, never NaN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,26 @@ def second_moment(o: Tensor, joint: Tensor, tokens: Tensor | float, intercept: b
 def ridge_lambda(s: Tensor, ridge: float) -> float:
     """lam = ridge x mean diagonal of the layer's S (0 when the layer writes nothing)."""
     return ridge * float(torch.diagonal(s).mean().clamp_min(0))
+
+
+TOKENS_PER_CHANNEL = 10  # below this many calibration tokens per channel a layer's refit leans on its ridge
+
+
+def token_advice(tokens: int, channels: int) -> str | None:
+    """A warning when a refit of `channels` output-projection channels per layer has fewer than
+    `TOKENS_PER_CHANNEL` calibration tokens per channel (None when it has enough).
+
+    Ridge regression of D channels on D - |P| others estimates a D x D second moment: with
+    N tokens its noise shrinks like sqrt(D / N), so 10 tokens per channel keeps the fit's
+    sampling error near a third of the signal; fewer, and the cross-validated ridge (or a
+    fixed one) has to trade most of the fit away.
+    """
+    want = TOKENS_PER_CHANNEL * channels
+    if tokens >= want:
+        return None
+    return (f"refit fits {channels} output-projection channels per layer from {tokens:,} calibration tokens; "
+            f"{want:,} or more ({TOKENS_PER_CHANNEL} per channel) are recommended: raise calibration.num_samples "
+            "or calibration.length (with fewer, ridge auto shrinks the refit towards mean compensation)")
 
 
 def check_tokens(tokens: int, channels: int, layer: int) -> None:
@@ -105,7 +126,7 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
         return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=w.dtype), 0.0, 0.0, lam)
     s_pp, s_kp = s[P][:, P], s[K][:, P]
     pruned_energy = float(((w_p @ s_pp) * w_p).sum())
-    if silent(mu, s):  # the layer writes nothing (or only a constant): nothing to regress
+    if silent(mu, s) or math.isinf(ridge):  # nothing to regress, or no regression (mean compensation)
         a = torch.zeros(len(K), len(P), dtype=w.dtype)
     else:
         a = _solve(s[K][:, K] + lam * torch.eye(len(K), dtype=w.dtype), s_kp, layer, ridge)
@@ -174,3 +195,95 @@ def silent(mu: Tensor | None, s: Tensor) -> bool:
     var = float(torch.diagonal(s).mean())
     scale = var + (0.0 if mu is None else float((mu.double() ** 2).mean()))
     return var <= 1e-12 * scale
+
+
+# --- choosing the ridge by cross-validation (DESIGN section 8.2) -------------------------------------
+
+RIDGE_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, math.inf)  # relative to the mean diagonal
+
+
+@dataclass(frozen=True)
+class RidgeChoice:
+    """The ridge chosen for one layer's pruned set, and the held-out energy of every ridge tried.
+
+    `heldout[i]` is the token-weighted mean over folds of the held-out fold's unexplained energy
+    with `grid[i]` (relative ridge; inf = no regression: mean compensation with an intercept, no
+    change without); `spread[i]` its standard error over folds. The choice is the largest ridge
+    whose held-out energy is within one standard error of the least (the one-standard-error rule:
+    among fits the data cannot tell apart, the one that trusts the calibration text least).
+    """
+
+    ridge: float
+    grid: tuple[float, ...]
+    heldout: tuple[float, ...]
+    spread: tuple[float, ...]
+
+    @property
+    def best(self) -> float:
+        return min(self.heldout)
+
+
+def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -> tuple[Tensor, Tensor]:
+    """The training system (total minus fold f) and the held-out fold's second moment around the training mean."""
+    n_t = float(n.sum() - n[f])
+    s_t = (joint.sum(0) - joint[f]) / n_t
+    mu = (o.sum(0) - o[f]) / n_t if intercept else torch.zeros_like(o[f])
+    if intercept:
+        s_t = s_t - torch.outer(mu, mu)
+    s_t = (s_t + s_t.t()) / 2
+    m_f, x_f = joint[f] / n[f], o[f] / n[f]
+    c = m_f - torch.outer(x_f, mu) - torch.outer(mu, x_f) + torch.outer(mu, mu)  # E_f[(x - mu)(x - mu)^T]
+    return s_t, (c + c.t()) / 2
+
+
+def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,
+                     grid: tuple[float, ...] = RIDGE_GRID) -> Tensor:
+    """(folds, ridges) held-out unexplained energy tr(W_P E_f[e e^T] W_P^T) of the fit trained without fold f.
+
+    w: (d_model, D); joint (K, D, D), o (K, D), n (K,): fold sums (`FoldMoments`); pruned: (D,) bool.
+    One eigendecomposition of each training S_KK gives every ridge: with S_KK = U diag(e) U^T and
+    R = U^T S_KP, A(lam) = U diag(1 / (e + lam)) R, and the held-out energy is
+    tr(G C_PP) - 2 sum_i v_i / (e_i + lam) + d^T (Z * H^T) d, d_i = 1 / (e_i + lam), with G = W_P^T W_P,
+    C the held-out moment, v = diag(U^T C_KP G R^T), Z = U^T C_KK U, H = R G R^T.
+    """
+    w, joint, o, n = w.double(), joint.double(), o.double(), n.double()
+    P, K = pruned.nonzero().flatten(), (~pruned).nonzero().flatten()
+    G = w[:, P].t() @ w[:, P]  # (|P|, |P|)
+    out = torch.zeros(len(n), len(grid), dtype=torch.float64)
+    for f in range(len(n)):
+        if n[f] == 0:
+            continue
+        s_t, c = _fold_system(joint, o, n, f, intercept)
+        e, U = torch.linalg.eigh(s_t[K][:, K])
+        R = U.t() @ s_t[K][:, P]
+        v = ((U.t() @ c[K][:, P] @ G) * R).sum(-1)  # (|K|,)
+        ZH = (U.t() @ c[K][:, K] @ U) * (R @ G @ R.t()).t()  # (|K|, |K|)
+        lam0 = float(torch.diagonal(s_t).mean().clamp_min(0))
+        base = float((G * c[P][:, P]).sum())
+        for i, rel in enumerate(grid):
+            lam = rel * lam0
+            if math.isinf(lam):
+                out[f, i] = base
+                continue
+            d = 1 / (e + lam)
+            if not bool((e + lam > 0).all()) or not torch.isfinite(d).all():
+                out[f, i] = math.inf
+                continue
+            out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
+    return out
+
+
+def choose_ridge(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,
+                 grid: tuple[float, ...] = RIDGE_GRID) -> RidgeChoice:
+    """K-fold cross-validated ridge for refitting `pruned` channels from the rest (see `heldout_energies`)."""
+    per_fold = heldout_energies(w, joint, o, n, pruned, intercept, grid)  # (K, ridges)
+    used = n > 0
+    weights = (n[used] / n[used].sum()).double()[:, None]
+    mean = (per_fold[used] * weights).sum(0)
+    k = int(used.sum())
+    spread = per_fold[used].std(0, unbiased=True) / math.sqrt(k) if k > 1 else torch.zeros_like(mean)
+    finite = torch.isfinite(mean)
+    best = int(torch.where(finite, mean, torch.full_like(mean, math.inf)).argmin())
+    bar = float(mean[best] + spread[best])
+    pick = max(i for i in range(len(grid)) if finite[i] and float(mean[i]) <= bar)  # the grid ascends
+    return RidgeChoice(grid[pick], tuple(grid), tuple(mean.tolist()), tuple(spread.tolist()))

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from pruner.attention.moments import OutputMoments
 from pruner.core import arch
-from pruner.pruning import refit
 
 HeadSet = dict[int, list[int]]
 COMPENSATIONS = ("zero", "mean", "refit")
@@ -90,94 +88,6 @@ def _channels(model, layer: int, heads: list[int]) -> torch.Tensor:
     if missing:
         raise SurgeryError(f"layer {layer}: heads {missing} are already removed")
     return _slots([present.index(h) for h in heads], arch.geometry(model).head_dim)
-
-
-def compensation_bias(model, heads: HeadSet, outputs: list[OutputMoments]) -> dict[int, torch.Tensor]:
-    """Per layer, sum over pruned heads of W_O,h mean(o_h): what mean ablation keeps. (d_model,)"""
-    out = {}
-    for layer, hs in heads.items():
-        if not hs:
-            continue
-        mom = outputs[layer]
-        w = arch.o_weight_cols(model, layer)  # (d_model, heads * d_head)
-        mean = (mom.o / mom.tokens)[hs].reshape(-1).to(w.device)  # (len(hs) * d_head,) original numbering
-        out[layer] = (w[:, _channels(model, layer, hs)].double() @ mean.double()).to(w.dtype)
-    return out
-
-
-def compensate(model, heads: HeadSet, outputs: list[OutputMoments], kind: str, ridge: float = 1e-3) -> Compensation:
-    """The `kind` compensation of pruning `heads` from the calibration moments of the unpruned model.
-
-    `refit` fits an intercept exactly where the layer's output projection has a bias.
-    """
-    if kind == "zero":
-        return Compensation()
-    if kind == "mean":
-        return Compensation("mean", bias=compensation_bias(model, heads, outputs))
-    if kind != "refit":
-        raise ValueError(f"unknown compensation {kind!r}; valid: {', '.join(COMPENSATIONS)}")
-    bias, weight, fits = {}, {}, {}
-    for layer, hs in heads.items():
-        if hs:
-            fit = refit_layer(model, layer, hs, outputs[layer], ridge)
-            weight[layer], fits[layer] = fit.delta_w, _diagnostics(fit)
-            if fit.delta_b is not None:
-                bias[layer] = fit.delta_b
-    dtype = arch.o_weight_cols(model, 0).dtype
-    return Compensation("refit", {k: v.to(dtype) for k, v in bias.items()},
-                        {k: v.to(dtype) for k, v in weight.items()}, fits)
-
-
-def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, ridge: float,
-                intercept: bool | None = None) -> refit.Fit:
-    """`refit.fit_layer` for pruning `heads` of `layer`: the projection of the unpruned model, its moments.
-
-    `intercept` defaults to whether the projection has a bias (forcing it on where there is
-    none would need a bias the config may not hold; studies compare the two on biased models).
-    """
-    g = arch.geometry(model)
-    if len(kept_heads(model)[layer]) != g.n_heads:
-        raise SurgeryError(f"layer {layer}: refit compensation is computed on the unpruned model")
-    w = arch.o_weight_cols(model, layer).detach().double().cpu()  # (d_model, D)
-    refit.check_tokens(int(moments.tokens), w.shape[1], layer)
-    intercept = has_bias(model, layer) if intercept is None else intercept
-    mu, s = refit.second_moment(moments.o, moments.joint, moments.tokens, intercept)
-    pruned = torch.zeros(w.shape[1], dtype=torch.bool)
-    pruned[_slots(heads, g.head_dim)] = True
-    return refit.fit_layer(w, mu if intercept else None, s, pruned, ridge, layer)
-
-
-def has_bias(model, layer: int) -> bool:
-    """Whether the layer's output projection has a bias: refit then fits an intercept."""
-    return arch.o_bias(model, layer) is not None
-
-
-def _diagnostics(fit: refit.Fit) -> dict:
-    return {"unexplained": fit.unexplained, "pruned": fit.pruned, "lambda": fit.lam,
-            "intercept": fit.delta_b is not None}
-
-
-def refit_sequential(model, heads: HeadSet, collect: Callable[[], list[OutputMoments]],
-                     ridge: float = 1e-3) -> Compensation:
-    """Refit layer by layer, each from moments re-collected on the model already pruned and refitted below it.
-
-    `collect()` runs a calibration capture of the model as it is and returns its output
-    moments; it is called once per pruned layer, under a scoped mask of the layers done.
-    Layer l's fit then sees the inputs the pruned network really gives it, as
-    OBS/SparseGPT-style sequential methods do.
-    """
-    done: HeadSet = {}
-    comp = Compensation("refit")
-    for layer in sorted(k for k, v in heads.items() if v):
-        with masked(model, done, comp):
-            outputs = collect()
-        fit = refit_layer(model, layer, heads[layer], outputs[layer], ridge)
-        dtype = arch.o_weight_cols(model, layer).dtype
-        bias = comp.bias | ({} if fit.delta_b is None else {layer: fit.delta_b.to(dtype)})
-        comp = Compensation("refit", bias, comp.weight | {layer: fit.delta_w.to(dtype)},
-                            comp.fits | {layer: _diagnostics(fit)})
-        done[layer] = heads[layer]
-    return comp
 
 
 def _present_channels(model, layer: int) -> torch.Tensor:

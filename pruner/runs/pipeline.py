@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -33,6 +34,7 @@ from pruner.evaluation.perplexity import (
 )
 from pruner.pruning import refit, surgery
 from pruner.pruning.calibrate import calibrate
+from pruner.pruning.compensation import compensate, refit_sequential
 from pruner.pruning.scoring import ScoringInputs, get_scorer
 from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
 from pruner.runs import resources
@@ -132,12 +134,13 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True, abla
     remove each head with the recipe's compensation (surgery.compensation), on scorer.ablation_samples."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True)
+    folds = r.surgery.folds if r.surgery.ridge == "auto" else 0  # cross-validating refit's ridge
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds)
     if r.capture.memory_check:
         resources.check_memory(session.model, resources.Sizes(
             batch_size=min(r.calibration.batch_size, len(session.calibration)),
             length=session.calibration.input_ids.shape[1],
-            chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient))
+            chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient, folds=folds))
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
@@ -158,11 +161,14 @@ def stage(session: Session, name: str, compute):
 
 
 def check_refit_tokens(session: Session) -> None:
-    """Refit needs at least as many calibration tokens as each layer has output-projection channels:
-    fail before any calibration compute."""
+    """Refit needs at least as many calibration tokens as each layer has output-projection channels (an error,
+    before any calibration compute), and should have `refit.TOKENS_PER_CHANNEL` times as many (a warning)."""
     g = arch.geometry(session.model)
     tokens = int(session.calibration.attention_mask.sum())
     refit.check_tokens(tokens, g.n_heads * g.head_dim, 0)
+    advice = refit.token_advice(tokens, g.n_heads * g.head_dim)
+    if advice:
+        warnings.warn(advice, stacklevel=2)
 
 
 def selection_config(recipe: Recipe, target: float | None = None, budget: str | None = None,
@@ -216,11 +222,16 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
             raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
                              "refit_mode='oneshot' with pruner.apply")
         r = session.recipe
-        cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True)
-        collect = lambda: capture_stats(model, session.calibration, session.sinks, session.tokenizer,  # noqa: E731
-                                        cfg, batch_size=r.calibration.batch_size).outputs
-        return surgery.refit_sequential(model, plan_heads, collect, spec.ridge)
-    return surgery.compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge)
+        cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True,
+                            folds=spec.folds if spec.ridge == "auto" else 0)
+        last = {}
+
+        def collect():
+            last["stats"] = capture_stats(model, session.calibration, session.sinks, session.tokenizer, cfg,
+                                          batch_size=r.calibration.batch_size)
+            return last["stats"].outputs
+        return refit_sequential(model, plan_heads, collect, spec.ridge, lambda: last["stats"].folds)
+    return compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge, inputs.stats.folds)
 
 
 def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:
@@ -234,6 +245,7 @@ def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringI
         r = None if resid is None else float(resid[layer])
         layers[str(layer)] = {**fit, "residual": r, "relative": None if r is None else fit["unexplained"] / r}
     return {"ridge": spec.ridge, "mode": spec.refit_mode, "layers": layers,
+            **({"folds": spec.folds} if spec.ridge == "auto" else {}),
             "unexplained": sum(v["unexplained"] for v in layers.values()),
             "relative": None if resid is None else sum(v["relative"] for v in layers.values())}
 

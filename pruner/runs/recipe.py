@@ -37,7 +37,7 @@ class DataSpec(_Strict):
     """Calibration text (the shipped Shakespeare calibration plays unless `data` says otherwise)."""
 
     data: str = Field("shakespeare:calibration", min_length=1,
-                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
+                      description="shakespeare:<split>, python-docs:<dev|evaluation>, local file/folder, or Hub dataset id")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -114,8 +114,23 @@ class SurgerySpec(_Strict):
     # refit by default: with the sink-aware scorer, the pair chosen on the development split
     # (eval/refit_study.py; docs/compensation.md); it needs no bias, so every family gets it
     compensation: Literal["zero", "mean", "refit"] = "refit"
-    ridge: float = Field(1e-3, ge=0, description="refit: ridge, relative to the mean diagonal of each layer's "
-                                                 "second moment")
+    ridge: float | Literal["auto"] = Field(
+        "auto", description="refit: ridge relative to the mean diagonal of each layer's second moment, or auto: "
+                            "chosen per layer by cross-validation over calibration folds (docs/compensation.md)")
+    folds: int = Field(4, ge=2, le=16, description="ridge auto: folds of whole calibration samples")
+
+    @field_validator("ridge", mode="before")
+    @classmethod
+    def _ridge(cls, v):
+        if v == "auto":
+            return v
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            x = float("nan")
+        if isinstance(v, bool) or not x >= 0:
+            raise ValueError(f"a ridge is >= 0 (relative to the mean diagonal) or auto, got {v!r}")
+        return x
     refit_mode: Literal["oneshot", "sequential"] = Field(
         "oneshot", description="refit: from the unpruned model's moments, or layer by layer from moments "
                                "re-collected on the model already pruned below")
@@ -123,7 +138,7 @@ class SurgerySpec(_Strict):
 
 class EvaluationSpec(DataSpec):
     data: str = Field("shakespeare:evaluation", min_length=1,
-                      description="shakespeare:<split>, local file/folder, or Hub dataset id")
+                      description="shakespeare:<split>, python-docs:<dev|evaluation>, local file/folder, or Hub dataset id")
     num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
     bootstrap: int = Field(1000, ge=0)
     latency: bool = True

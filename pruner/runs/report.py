@@ -170,20 +170,27 @@ def refit_text(metrics: dict) -> str | None:
     fit = metrics.get("refit")
     if not fit or not fit.get("layers"):
         return None
+    auto = fit["ridge"] == "auto"
     rows = [[layer, f"{v['pruned']:.4g}", f"{v['unexplained']:.4g}",
              f"{v['unexplained'] / v['pruned']:.1%}" if v["pruned"] > 0 else "n/a",
              "n/a" if v.get("relative") is None else f"{v['relative']:.3g}"]
+            + ([f"{v['ridge']:g}", f"{v['heldout']:.4g}", f"{v['heldout_no_refit']:.4g}"] if auto else [])
             for layer, v in sorted(fit["layers"].items(), key=lambda kv: int(kv[0]))]
     intercept = {v["intercept"] for v in fit["layers"].values()}
     how = ("with an intercept (centred moments, the constant into the bias)" if intercept == {True} else
            "without an intercept (uncentred moments, no bias)" if intercept == {False} else
            "with an intercept where the output projection has a bias")
-    return (f"**Refit compensation** ({fit.get('mode', 'oneshot')}, ridge {fit['ridge']:g} x the mean diagonal, "
+    ridge = (f"ridge chosen per layer by {fit.get('folds', '')}-fold cross-validation over the calibration samples, "
+             "the largest within one standard error of the least held-out energy" if auto else
+             f"ridge {fit['ridge']:g} x the mean diagonal")
+    cv = ("; with the chosen ridge (relative; inf = no refit), the held-out folds' unexplained energy, and theirs "
+          "without refit" if auto else "")
+    return (f"**Refit compensation** ({fit.get('mode', 'oneshot')}, {ridge}, "
             f"{how}). Per layer, the energy the pruned heads wrote (around their mean with an intercept) and "
             "what the kept heads could not rebuild, E ||W_P x_P - W_P A^T x_K||^2 per calibration token "
-            "(the Schur complement), also relative to the residual stream's mean squared norm R_l:\n\n"
-            + markdown_table(["layer", "pruned energy", "unexplained", "share unexplained", "unexplained / R_l"],
-                             rows))
+            f"(the Schur complement), also relative to the residual stream's mean squared norm R_l{cv}:\n\n"
+            + markdown_table(["layer", "pruned energy", "unexplained", "share unexplained", "unexplained / R_l"]
+                             + (["ridge", "held-out", "held-out, no refit"] if auto else []), rows))
 
 
 def plot_refit(metrics: dict, path: Path) -> bool:

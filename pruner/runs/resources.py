@@ -64,6 +64,7 @@ class Sizes:
     outputs: bool = True           # output moments (scoring, compensation)
     gradient: bool = False         # the gradient scorer's backward pass
     across_layers: bool = False    # pair matrices between all heads of the model (analyze)
+    folds: int = 0                 # the output moments per calibration fold (refit's ridge `auto`)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def statistics_bytes(model, sizes: Sizes) -> int:
         L, H = 1, s["L"] * s["H"]
     pairs = 2 * sizes.pair_metrics * H * H + 16 * H  # two conventions; per-head sums
     moments = (3 * H * D + 3 * H * D * D + (H * D) ** 2) if sizes.outputs else 0
+    moments += sizes.folds * (1 + H * D + (H * D) ** 2)
     return 2 * L * (pairs + moments) * 8
 
 
@@ -180,6 +182,10 @@ def _fits(model, sizes: Sizes, room: int) -> list[str]:
             out.append(f"calibration.batch_size: {b} (about {gib(est.total)})")
             break
         b //= 2
+    if sizes.folds:  # the fold moments of ridge auto are (folds x) the layers' largest sums
+        est = calibration_estimate(model, replace(sizes, folds=0))
+        if est.total - base <= room:
+            out.append(f"surgery.ridge: a number such as 0.1 instead of auto (no fold moments: about {gib(est.total)})")
     c = sizes.chunk_size // 2
     while c >= 8 and not out:
         est = calibration_estimate(model, replace(sizes, chunk_size=c))
