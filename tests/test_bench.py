@@ -170,7 +170,7 @@ def test_bench_command_measures_a_run(tmp_path, capsys):
     assert main(["prune", str(root / "recipes" / "llama-shakespeare.yaml"), "--out", str(run),
                  "--set", "calibration.num_samples=4", "--set", "evaluation.num_samples=2",
                  "--set", "evaluation.bootstrap=10", "--set", "evaluation.latency=false",
-                 "--set", "selection.gqa=group", "--set", "selection.budget=global",
+                 "--set", "selection.gqa=group", "--set", "selection.budget=global", "--set", "selection.shape=any",
                  "--set", "bench.enabled=false"]) == 0
     assert "bench" not in json.loads((run / "metrics.json").read_text())
     capsys.readouterr()

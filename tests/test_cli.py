@@ -99,7 +99,8 @@ def test_errors_are_one_line(tmp_path, capsys):
 def test_compare_works_on_every_offline_recipe(tmp_path, recipe):
     out = tmp_path / recipe
     rc = main(["compare", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
-               "--scorers", "sink-aware,fluctuation,gradient", "--sparsities", "0.25"] + QUICK
+               "--scorers", "sink-aware,fluctuation,gradient",
+               "--sparsities", "0.5" if recipe == "llama-shakespeare" else "0.25"] + QUICK
               + (["--set", "calibration.num_samples=64"] if recipe == "minilm-encoder" else []))  # refit: >= 384 tokens
     assert rc == 0
     records = json.loads((out / "compare.json").read_text())
@@ -134,7 +135,9 @@ def test_prune_remove_saves_the_per_layer_form_when_no_vanilla_config_can(tmp_pa
     """6 of 8 heads per layer: transformers' Llama config requires hidden_size % heads == 0, so model/ is the
     per-layer compact checkpoint, which pruner loads without remote code."""
     out = tmp_path / "llama6"
-    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + QUICK) == 0
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out), "--set",
+                 "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
+                + QUICK) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["model_saved"] is True and "model not saved" not in capsys.readouterr().out
     config = json.loads((out / "model" / "config.json").read_text())
@@ -149,7 +152,8 @@ def test_compare_reports_infeasible_sparsities_and_goes_on(tmp_path, capsys):
     """A per-layer budget of 0-1 heads cannot hold a GQA unit of 2 (one per KV group): n/a, not a crash."""
     out = tmp_path / "gqa"
     rc = main(["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out),
-               "--scorers", "fluctuation", "--sparsities", "0.1,0.25", "--compensation", "mean"] + QUICK)
+               "--scorers", "fluctuation", "--sparsities", "0.1,0.25", "--compensation", "mean",
+               "--set", "selection.shape=any", "--set", "selection.budget=layer"] + QUICK)
     assert rc == 0
     records = json.loads((out / "compare.json").read_text())
     assert "error" in records[0] and records[0]["sparsity"] == 0.1
@@ -230,7 +234,7 @@ def test_compare_puts_budget_and_gqa_mode_on_its_axes(tmp_path, capsys):
     out = tmp_path / "axes"
     rc = main(["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out), "--scorers",
                "sink-aware", "--sparsities", "0.5", "--budgets", "layer,global", "--gqa", "equal,group",
-               "--compensation", "zero"] + QUICK)
+               "--compensation", "zero", "--set", "selection.shape=any"] + QUICK)
     assert rc == 0
     records = json.loads((out / "compare.json").read_text())
     assert {(r["budget"], r["gqa"]) for r in records} == {(b, g) for b in ("layer", "global")

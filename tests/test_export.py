@@ -61,7 +61,9 @@ def runs(tmp_path_factory):
             refit = ["--set", "surgery.compensation=refit"]
             extra = {"gpt2": ["--set", "export.format=dense", "--set", "export.push_to_hub=me/gpt2-pruned"],
                      "llama": ["--set", "selection.target=0.5"],  # 4 of 8 heads per layer: 256 / 4 divides
-                     "llama-default": [],  # 6 of 8 heads per layer: Llama's config refuses 256 / 6
+                     # 6 of 8 heads per layer (shape any): Llama's config refuses 256 / 6
+                     "llama-default": ["--set", "selection.target=0.25", "--set", "selection.shape=any",
+                                       "--set", "selection.budget=layer"],
                      "minilm": ["--set", "surgery.compensation=mean"],  # a bias export; too few tokens to refit
                      "llama-refit": ["--set", "selection.target=0.5", "--set", "export.format=compact"] + refit,
                      "minilm-refit": refit + ["--set", "calibration.num_samples=8"]}[name]  # >= 384 tokens
@@ -386,7 +388,8 @@ def test_failed_push_keeps_the_local_export_and_says_what_to_do(runs, tmp_path, 
 
 
 @pytest.mark.parametrize("family,sets,layout", [
-    ("qwen2", [], "per-layer"),                                   # the default plan: global budget, uneven
+    ("qwen2", ["selection.shape=any"], "per-layer"),              # a global budget: uneven layers
+    ("qwen2", ["selection.target=0.5"], "vanilla"),               # the default shape: servable, uniform
     ("gpt_neox", [], "per-layer")])
 def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, tmp_path, capsys):
     """Random Qwen2 (its config has no head_dim, as on the Hub) and GPT-NeoX with the shipped tokenizer, pruned
@@ -411,7 +414,8 @@ def test_tiny_qwen2_and_gpt_neox_prune_and_export_compact(family, sets, layout, 
     assert main(["export", str(run_dir), "--format", "compact"]) == 0
     out = run_dir / "export-compact"
     config = json.loads((out / "config.json").read_text())
-    assert ("pruner_format" in config) == (layout == "per-layer") and config["model_type"] == f"pruned_{family}"
+    assert ("pruner_format" in config) == (layout == "per-layer")
+    assert config["model_type"] == (f"pruned_{family}" if layout == "per-layer" else family)
     want, tokens = reference(run_dir, generate=True)
     for loader in ("transformers", "pruner"):  # pruner.load reads vanilla checkpoints too
         reloaded, got = reloaded_logits(out, run_dir, loader)

@@ -87,7 +87,7 @@ def build_env(d: Path) -> Path:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         # one head per KV group in one layer: 2 and 4 query heads per layer, which no Llama config can say
         assert main(["prune", str(d / "recipe.yaml"), *TINY, "--set", f"model.path={llama}", "--set",
-                     "selection.target=2", "--out", str(d / "llama-run")]) == 0
+                     "selection.target=2", "--set", "selection.shape=any", "--out", str(d / "llama-run")]) == 0
         # ... so its compact export is per-layer; a copy with a hand-edited config no longer fits its weights
         assert main(["export", str(d / "llama-run"), "--format", "compact", "--out", str(d / "per-layer")]) == 0
     shutil.copytree(d / "per-layer", d / "edited-per-layer")
@@ -413,7 +413,8 @@ def test_half_precision_underflow_is_handled(env, tmp_path, capsys):
     assert (att[0][:, causal] == 0).any(), "premise: fp16 attention rows contain exact zeros"
     out = tmp_path / "run"
     rc = main(["prune", str(env / "recipe.yaml"), *TINY, "--set", f"model.path={folder}", "--set",
-               "model.dtype=float16", "--set", "capture.metrics=[cosine,js,aitchison]", "--out", str(out)])
+               "model.dtype=float16", "--set", "capture.metrics=[cosine,js,aitchison]", "--set", "selection.shape=any",
+               "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     import json
 

@@ -10,8 +10,8 @@ from pruner.api.calls import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
+from pruner.runs import comparison, pipeline, provenance, report
 from pruner.runs import folders as runs
-from pruner.runs import pipeline, provenance, report
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
 
@@ -168,6 +168,6 @@ def _compare(call: Call, scorers, sparsities, compensations, budgets, gqa, progr
     options = {"scorers": scorers, "sparsities": targets, "compensations": list(compensations),
                "budgets": list(budgets or []), "gqa": list(gqa or [])}
     checkpoints = call.checkpoints(checkpoint_dir, "compare", options, prov)
-    records = pipeline.compare(call.session(progress, checkpoints=checkpoints), scorers, targets, list(compensations),
+    records = comparison.compare(call.session(progress, checkpoints=checkpoints), scorers, targets, list(compensations),
                                list(budgets) if budgets else None, list(gqa) if gqa else None, progress)
     return Comparison(records, call.recipe, prov)

@@ -65,6 +65,31 @@ def vanilla_updates(model) -> dict:
     return updates
 
 
+def servable_prunes(model, gqa: str = "equal") -> tuple[int, ...] | None:
+    """Heads per layer a layer can lose while a vanilla config of the family still describes the compact model
+    (the same count in every layer); None for families whose config derives the head width from hidden_size /
+    heads (GPT-2, BERT, GPT-NeoX: no pruned config of theirs is vanilla).
+
+    `gqa` "equal" keeps every KV head (the same number of query heads left in each group), "group" removes
+    whole KV groups. Each count is checked by the family's own config validation (transformers' Llama
+    requires hidden_size % heads == 0; Mistral, Qwen2 and Qwen3 do not).
+    """
+    if not arch.adapter_for(model).explicit_head_dim:
+        return None
+    g, cfg = arch.geometry(model), model.config
+    base = cfg.to_dict()
+    kept = [(q, g.n_kv_heads) for q in range(g.n_kv_heads, g.n_heads + 1, g.n_kv_heads)] if gqa == "equal" else \
+        [(kv * g.group_size, kv) for kv in range(1, g.n_kv_heads + 1)]
+    out = []
+    for q, kv in kept:
+        try:
+            type(cfg).from_dict({**base, "num_attention_heads": q, "num_key_value_heads": kv, "head_dim": g.head_dim})
+        except Exception:  # noqa: BLE001 - any validation failure means "not expressible"
+            continue
+        out.append(g.n_heads - q)
+    return tuple(sorted(out))
+
+
 def vanilla_reason(model) -> str | None:
     """Why no vanilla config describes this compact (heads removed) model, or None when one does."""
     kind = model.config.model_type

@@ -51,6 +51,8 @@ def print_summary(m: dict, out, compensated: bool) -> None:
     from pruner.runs import folders as runs
 
     e = m["evaluation"]
+    if m.get("selection_note"):
+        print(f"\n{m['selection_note']}")
     print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
           f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
     print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "
@@ -87,9 +89,9 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print("surgery mode `mask`: model/ keeps every shape, so it is no smaller or faster than the base; "
               "`surgery.mode: remove` (or `pruner export RUN --format compact`) writes a smaller model")
     else:
-        how = {"vanilla": "loads with plain from_pretrained",
-               "per-layer": "head counts differ by layer: pruner.load(path), or from_pretrained with "
-                            "trust_remote_code=True"
+        how = {"vanilla": "loads with plain from_pretrained, and in serving engines and exporters",
+               "per-layer": "pruner.load(path), or from_pretrained with trust_remote_code=True; vLLM, TGI, "
+                            "SGLang, llama.cpp and ONNX Runtime GenAI load vanilla checkpoints only"
                }.get(m["model_layout"], "loads with plain from_pretrained")
         print(f"model/: the compact model ({m['model_layout']}; {how}): {m['params_after']:,} parameters "
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")

@@ -34,10 +34,50 @@ class SelectionConfig:
     budget: str = "global"        # "global" | "layer"
     min_heads_per_layer: int = 1
     gqa: str = "equal"            # "equal" query heads per KV group | whole KV "group"s
+    shapes: tuple[int, ...] | None = None  # servable: the heads per layer a vanilla config can lose (None: any)
 
     def count(self, n_total: int) -> int:
         n = round(self.target * n_total) if self.target < 1 else int(self.target)
         return n
+
+
+MAX_SHAPE_MOVE = 0.25  # a servable shape may move the per-layer count by at most this share of the target's
+
+
+def servable_per_layer(geom: Geometry, cfg: SelectionConfig) -> int:
+    """The heads every layer loses under `cfg.shapes`: the servable count nearest to the target's share of a
+    layer (ties: fewer), never zero. A target further than `MAX_SHAPE_MOVE` from every servable count, or a
+    family with no servable pruned shape, is a SelectionError listing the servable choices."""
+    options = [k for k in sorted(cfg.shapes or ()) if 0 < k <= geom.n_heads - cfg.min_heads_per_layer]
+    if not options:
+        raise SelectionError(f"no servable shape prunes heads here (a vanilla config holds {geom.n_heads} heads per "
+                             f"layer only, with min_heads_per_layer={cfg.min_heads_per_layer}); use "
+                             "selection.shape: any for the per-layer form")
+    want = cfg.count(geom.n_layers * geom.n_heads) / geom.n_layers
+    k = min(options, key=lambda k: (abs(k - want), k))
+    if abs(k - want) > MAX_SHAPE_MOVE * want:  # a rounding moves the target; a leap is the user's to choose
+        kept = ", ".join(str(geom.n_heads - x) for x in options)
+        fractions = ", ".join(f"{x / geom.n_heads:g}" for x in options)
+        raise SelectionError(
+            f"selection.target {cfg.target:g} ({want:g} of {geom.n_heads} heads per layer) is not a servable shape: "
+            f"a vanilla config holds layers that all keep {kept} query heads (selection.target {fractions}); "
+            "choose one of those, or selection.shape: any to prune the target exactly in the per-layer form")
+    return k
+
+
+def shape_note(geom: Geometry, cfg: SelectionConfig) -> str | None:
+    """One line when a servable shape moves the target (None when it meets it exactly, or shapes are free)."""
+    if cfg.shapes is None:
+        return None
+    total, asked = geom.n_layers * geom.n_heads, cfg.count(geom.n_layers * geom.n_heads)
+    k = servable_per_layer(geom, cfg)
+    if k * geom.n_layers == asked:
+        return None
+    kept = sorted({geom.n_heads - x for x in cfg.shapes if 0 < x < geom.n_heads} | {geom.n_heads})
+    return (f"selection: {asked} of {total} heads is not a servable shape (every layer keeps the same number of "
+            f"query heads, one of {', '.join(map(str, kept))}, for a vanilla checkpoint); pruning {k} per layer "
+            f"instead: {k * geom.n_layers} heads ({k * geom.n_layers / total:.1%}). selection.shape: any prunes "
+            "the target exactly, in the per-layer form")
 
 
 @dataclass(frozen=True)
@@ -70,6 +110,7 @@ class Plan:
     sensitivity: "Sensitivity | None" = field(default=None, compare=False)
     sink_mass: torch.Tensor | None = field(default=None, compare=False, repr=False)  # (layer, head)
     calibration: ScoringInputs | None = field(default=None, compare=False, repr=False)
+    note: str | None = field(default=None, compare=False, repr=False)  # the servable shape moved the target
 
     @property
     def heads(self) -> dict[int, list[int]]:
@@ -145,6 +186,9 @@ def check_target(geom: Geometry, cfg: SelectionConfig) -> tuple[int, list[int] |
     Depends only on the geometry, so pipelines call it before any calibration compute.
     """
     n_total = geom.n_layers * geom.n_heads
+    if cfg.shapes is not None:  # servable: the same number of heads from every layer
+        k = servable_per_layer(geom, cfg)
+        return k * geom.n_layers, [k] * geom.n_layers
     target = cfg.count(n_total)
     if target <= 0:
         raise SelectionError(f"selection.target {cfg.target:g} selects 0 of {n_total} heads; use at least "

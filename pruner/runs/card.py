@@ -112,7 +112,7 @@ def _what_was_pruned(run: Run, fmt: str, model, params: int, saved: saving.Saved
     lines = [
         "## What was pruned and how", "",
         f"- scorer: `{m['scorer']}`{conv}; target `{r.selection.target:g}` "
-        f"({r.selection.budget} budget, GQA `{r.selection.gqa}`, >= {r.selection.min_heads_per_layer} head per layer)",
+        f"({r.selection.budget or 'default'} budget, GQA `{r.selection.gqa}`, shape `{r.selection.shape}`, >= {r.selection.min_heads_per_layer} head per layer)",
         f"- pruned: {m['pruned_heads']} of {m['total_heads']} heads ({g.n_layers} layers x {g.n_heads} heads); "
         f"per layer: {per_layer} (full list in `plan.json`)",
         f"- compensation: {_compensation_text(run, model)}",

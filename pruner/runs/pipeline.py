@@ -16,10 +16,10 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from pruner.attention.capture import CaptureConfig, capture_stats, resolve_auto_sinks
 from pruner.attention.sinks import SinkSpec, check_content, default_spec
+from pruner.checkpoints import layout as forms
 from pruner.checkpoints import loading
 from pruner.core import arch, data, distributed, resume, runtime
 from pruner.evaluation import bench, downstream, tasks
@@ -36,7 +36,15 @@ from pruner.pruning import refit, surgery
 from pruner.pruning.calibrate import calibrate
 from pruner.pruning.compensation import compensate, refit_sequential
 from pruner.pruning.scoring import ScoringInputs, get_scorer
-from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_target, convention_sensitivity, select
+from pruner.pruning.selection import (
+    Plan,
+    SelectionConfig,
+    SelectionError,
+    check_target,
+    convention_sensitivity,
+    select,
+    shape_note,
+)
 from pruner.runs import resources
 from pruner.runs.recipe import Recipe, SurgerySpec
 
@@ -171,11 +179,21 @@ def check_refit_tokens(session: Session) -> None:
         warnings.warn(advice, stacklevel=2)
 
 
-def selection_config(recipe: Recipe, target: float | None = None, budget: str | None = None,
+def selection_config(recipe: Recipe, model=None, target: float | None = None, budget: str | None = None,
                      gqa: str | None = None) -> SelectionConfig:
+    """The recipe's selection (with compare's target, budget and GQA mode), and with `selection.shape:
+    servable` on a family whose vanilla config can describe a pruned model, the per-layer counts it holds."""
     s = recipe.selection
-    return SelectionConfig(target=s.target if target is None else target, budget=budget or s.budget,
-                           min_heads_per_layer=s.min_heads_per_layer, gqa=gqa or s.gqa)
+    gqa = gqa or s.gqa
+    shapes = forms.servable_prunes(model, gqa) if model is not None and s.shape == "servable" else None
+    budget = budget or s.budget
+    if shapes is not None and budget == "global":
+        raise SelectionError(f"selection.budget: global lets layers keep different head counts, which no vanilla "
+                             f"{model.config.model_type} config holds; set selection.shape: any (the per-layer form) "
+                             "or leave the budget to the servable shape (the same count in every layer)")
+    return SelectionConfig(target=s.target if target is None else target,
+                           budget=budget or ("layer" if shapes is not None else "global"),
+                           min_heads_per_layer=s.min_heads_per_layer, gqa=gqa, shapes=shapes)
 
 
 def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: bool = True) -> Plan:
@@ -189,7 +207,7 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     recipe = session.recipe
     scorer = get_scorer(recipe.scorer.name)
     geom = arch.geometry(session.model)
-    cfg = selection_config(recipe)
+    cfg = selection_config(recipe, session.model)
     check_target(geom, cfg)  # an impossible target fails before any calibration compute
     if inputs is None:
         inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress,
@@ -200,7 +218,7 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
         naive = get_scorer("cosine")
         sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
     return replace(plan, geometry=geom, sensitivity=sens, sink_mass=inputs.stats.sink_mass,
-                   calibration=inputs)
+                   calibration=inputs, note=shape_note(geom, cfg))
 
 
 def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs | None,
@@ -284,45 +302,6 @@ def base_metrics(session: Session, progress: bool = True) -> dict:
     return {**out, "tasks": session.downstream.scores() if session.downstream else None}
 
 
-def compare(session: Session, scorers: list[str], sparsities: list[float], compensations: list[str],
-            budgets: list[str] | None = None, gqa_modes: list[str] | None = None,
-            progress: bool = True) -> list[dict]:
-    """Every scorer x sparsity x budget x GQA mode x compensation on the same windows; one calibration pass."""
-    for name in scorers:
-        get_scorer(name)
-    recipe = session.recipe
-    budgets = budgets or [recipe.selection.budget]
-    gqa_modes = gqa_modes or [recipe.selection.gqa]
-    if "refit" in compensations:
-        check_refit_tokens(session)
-    inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
-                            ablation=any(get_scorer(s).needs_ablation for s in scorers))
-    base = base_metrics(session, progress)
-    geom = arch.geometry(session.model)
-    records = []
-    jobs = [(s, p, b, g) for s in scorers for p in sparsities for b in budgets for g in gqa_modes]
-    for name, target, budget, gqa in (tqdm(jobs, desc="compare", unit="plan") if progress else jobs):
-        scorer = get_scorer(name)
-        key = {"scorer": name, "sparsity": target, "budget": budget, "gqa": gqa}
-        try:
-            plan = select(scorer, inputs, geom, selection_config(recipe, target, budget, gqa))
-        except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
-            records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
-            continue
-        for kind in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
-            spec = recipe.surgery.model_copy(update={"compensation": kind})
-            comp = compensation(session.model, plan.heads, spec, inputs, session)  # recomputed on resume
-            m = stage(session, f"compare-{len(records)}",
-                      lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
-            fit = refit_record(comp, spec, inputs)
-            records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
-                            "heads": {str(k): v for k, v in plan.heads.items()}, **m,
-                            **({"scorer_cost": inputs.costs[name]} if name in inputs.costs else {}),
-                            **({} if fit is None else {"unexplained": fit["unexplained"],
-                                                       "unexplained_relative": fit["relative"]})})
-    return records
-
-
 @dataclass
 class RunResult:
     plan: Plan
@@ -364,6 +343,7 @@ def run(session: Session, progress: bool = True) -> RunResult:
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
         "convention_sensitivity": sensitivity_record(plan),
+        **({"selection_note": plan.note} if plan.note else {}),
         **({"bench": gains} if gains is not None else {}),
         "seconds": round(time.time() - t0, 1),
     }

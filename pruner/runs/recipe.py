@@ -85,9 +85,17 @@ class ScorerSpec(_Strict):
 
 class SelectionSpec(_Strict):
     target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1)")
-    budget: Literal["global", "layer"] = "global"
+    budget: Literal["global", "layer"] | None = Field(
+        None, description="global: heads from anywhere; layer: the same count from every layer; unset: layer where "
+                          "selection.shape: servable applies, global elsewhere")
     min_heads_per_layer: int = Field(1, ge=1)
     gqa: Literal["equal", "group"] = "equal"
+    shape: Literal["servable", "any"] = Field(
+        "servable", description="servable: where the family's vanilla config can describe a pruned model (Llama, "
+                                "Mistral, Qwen2, Qwen3), every layer loses the same number of heads, a count the "
+                                "config accepts (the target moves to the nearest, said in one line), so the compact "
+                                "checkpoint loads in transformers and serving engines without remote code; any: "
+                                "the target exactly, layers may differ (the per-layer form)")
     seed: int = 0
 
     @field_validator("target", mode="before")

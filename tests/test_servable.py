@@ -1,0 +1,95 @@
+"""Servable shapes (selection.shape: servable, the default): decoders whose vanilla config can describe a pruned
+model lose the same number of heads in every layer, a count the family's config accepts, so the compact
+checkpoint loads with plain `from_pretrained` (and in serving engines); a target no servable shape meets is
+moved to the nearest one with a note, or refused with the choices when it would leap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from pruner.checkpoints import layout
+from pruner.cli import main
+from pruner.core.arch import Geometry
+from pruner.pruning.selection import SelectionConfig, SelectionError, check_target, servable_per_layer, shape_note
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8", "--set", "evaluation.bootstrap=20",
+         "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
+
+
+@pytest.mark.unit
+def test_the_nearest_servable_count_moves_a_rounding_and_refuses_a_leap():
+    g = Geometry(n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32)
+    shapes = (0, 2, 4, 6)  # kept 8, 6, 4, 2
+    exact = SelectionConfig(target=0.25, shapes=shapes)
+    assert check_target(g, exact) == (8, [2, 2, 2, 2]) and shape_note(g, exact) is None
+    near = SelectionConfig(target=0.3, shapes=shapes)  # 2.4 heads per layer -> 2
+    assert servable_per_layer(g, near) == 2
+    assert "pruning 2 per layer instead: 8 heads (25.0%)" in shape_note(g, near)
+    leap = SelectionConfig(target=0.25, shapes=(0, 4, 6))  # Llama at hidden 256: 6 kept is refused by the config
+    with pytest.raises(SelectionError, match=r"0.25 \(2 of 8 heads per layer\) is not a servable shape: .* keep 4, 2 "
+                                             r"query heads \(selection.target 0.5, 0.75\)"):
+        check_target(g, leap)
+    assert check_target(g, SelectionConfig(target=0.25, budget="global")) == (8, None)  # shapes: any
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family,prunes", [("llama", (2,)), ("mistral", (2,)), ("qwen2", (2,)), ("qwen3", (2,)),
+                                           ("gpt2", None), ("gpt_neox", None)])
+def test_which_families_have_servable_shapes(family, prunes):
+    """4 query / 2 KV heads: keeping every KV head, 2 per layer can go; GPT-2 and GPT-NeoX derive the head width
+    from hidden_size / heads, so no pruned config of theirs is vanilla."""
+    model = tiny_model(family)
+    got = layout.servable_prunes(model)
+    assert (None if got is None else tuple(x for x in got if x)) == prunes
+
+
+@pytest.mark.integration
+def test_the_default_llama_recipe_writes_a_vanilla_checkpoint(tmp_path, capsys):
+    """`pruner prune recipes/llama-shakespeare.yaml --set selection.target=0.5`: a vanilla Llama with 4 heads,
+    loaded by plain transformers without remote code, giving the pruned model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from pruner.checkpoints import loading
+    from pruner.checkpoints.storage import rounded_to
+    from pruner.pruning import surgery
+    from pruner.runs import folders
+
+    out = tmp_path / "run"
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out),
+                 "--set", "selection.target=0.5"] + QUICK) == 0
+    assert "vLLM" not in capsys.readouterr().out.split("model/:")[1].split("\n")[0]  # nothing it cannot load
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert "pruner_format" not in config and "auto_map" not in config and config["num_attention_heads"] == 4
+    vanilla = AutoModelForCausalLM.from_pretrained(out / "model", trust_remote_code=False, dtype=torch.float32)
+    run = folders.load_run(out)
+    want = loading.load_base(run.recipe.model)
+    surgery.mask_heads(want, run.heads, run.compensation)
+    ids = torch.randint(3, 4000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), rounded_to(want, torch.float16):  # model/ is stored in the base's float16
+        torch.testing.assert_close(vanilla(ids).logits, want(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_refusals_name_the_way_out(tmp_path, capsys):
+    recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
+    assert main(["prune", recipe, "--out", str(tmp_path / "a"), "--set", "selection.target=0.25"] + QUICK) == 2
+    err = capsys.readouterr().err
+    assert "is not a servable shape" in err and "selection.shape: any" in err and not (tmp_path / "a").exists()
+    assert main(["prune", recipe, "--out", str(tmp_path / "b"), "--set", "selection.budget=global"] + QUICK) == 2
+    assert "no vanilla llama config holds" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_per_layer_form_says_which_runtimes_will_not_load_it(tmp_path, capsys):
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(tmp_path / "run"),
+                 "--set", "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
+                + QUICK) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model/:"))
+    assert "per-layer" in line and "vLLM, TGI, SGLang, llama.cpp and ONNX Runtime GenAI load vanilla checkpoints only" \
+        in line
