@@ -13,12 +13,15 @@ def add_parser(sub, common) -> None:
                                    "card, check that it reloads (logits and greedy generation), and optionally "
                                    "push it to the Hub.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="output folder of `pruner prune`")
-    p.add_argument("--format", required=True, choices=("dense", "compact"),
+    p.add_argument("--format", required=True, choices=("dense", "compact", "onnx"),
                    help="dense: pruned heads zeroed, original shapes, loads anywhere; compact: heads removed, "
                         "smaller -- a vanilla checkpoint where the family's config can describe it, else the "
-                        "per-layer form (trust_remote_code=True, or pruner.load)")
+                        "per-layer form (trust_remote_code=True, or pruner.load); onnx: the vanilla compact "
+                        "model through ONNX Runtime GenAI's builder for the CPU, its generations checked "
+                        "(needs the onnx extra)")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
-                   help="storage dtype (default: the recipe's export.dtype; auto = the base checkpoint's own)")
+                   help="storage dtype (default: the recipe's export.dtype; auto = the base checkpoint's own); "
+                        "onnx: the ONNX precision (default float32)")
     p.add_argument("--out", help="export folder (default: RUN_DIR/export-FORMAT)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -30,6 +33,13 @@ def add_parser(sub, common) -> None:
 
 
 def print_export(done, url) -> None:
+    if done.format == "onnx":
+        print(f"exported an ONNX Runtime GenAI model ({done.dtype}, CPU): {done.params:,} parameters, "
+              f"{done.bytes / 1e6:.1f} MB; its greedy generations equal PyTorch's")
+        print(f"wrote {done.folder}/ (model.onnx, genai_config.json, tokenizer, README.md model card, plan.json)")
+        if url:
+            print(f"pushed to {url}")
+        return
     form = f"{done.layout}, " if done.format == "compact" else ""
     how = ("reloads with trust_remote_code=True and with pruner.load" if done.layout == "per-layer"
            else "reloads with plain transformers")

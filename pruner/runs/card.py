@@ -32,6 +32,11 @@ def _pipeline_tag(config) -> str:
 
 
 def _format_text(fmt: str, model, saved: saving.Saved) -> str:
+    if fmt == "onnx":
+        return ("**ONNX (ONNX Runtime GenAI)**: the vanilla compact checkpoint (pruned heads physically removed; "
+                f"{model.config.num_attention_heads} attention heads per layer) converted by ONNX Runtime GenAI's "
+                f"model builder for the CPU in {saved.dtype}, KV cache included; its greedy generations were checked "
+                "against PyTorch's before this folder was written.")
     if fmt == "dense":
         return ("**dense**: the pruned heads' output-projection columns are zero and every shape is the "
                 "base model's, so it loads wherever the base loads (no memory or speed gain by itself).")
@@ -53,6 +58,14 @@ def _format_text(fmt: str, model, saved: saving.Saved) -> str:
 
 
 def _load_lines(cls: str, where: str, saved: saving.Saved, model) -> list[str]:
+    if saved.layout == "onnx":
+        return ["```python", "import onnxruntime_genai as og", "",
+                f'model = og.Model("{where}")', "tokenizer = og.Tokenizer(model)",
+                "params = og.GeneratorParams(model)", "params.set_search_options(max_length=64)",
+                "generator = og.Generator(model, params)", 'generator.append_tokens(tokenizer.encode("To be"))',
+                "while not generator.is_done():", "    generator.generate_next_token()",
+                "print(tokenizer.decode(generator.get_sequence(0)))", "```", "",
+                "ONNX Runtime GenAI (`pip install onnxruntime-genai`): no pruner or transformers code is needed."]
     if saved.layout != "per-layer":
         return ["```python", f"from transformers import {cls}, AutoTokenizer", "",
                 f'model = {cls}.from_pretrained("{where}")',
@@ -133,9 +146,11 @@ def _results(run: Run, params: int, saved: saving.Saved) -> list[str]:
         "## Results", "",
         f"Perplexity on {e.num_samples} {e.unit} of `{e.data}` ({e.length} tokens), paired with the unpruned "
         "model on the same windows; 95% bootstrap CI over windows. Measured with the pruned heads masked in "
-        "memory; this checkpoint reproduces those logits: reloaded and compared with that model (rounded to the "
-        "storage dtype) to 1e-5" + (", and greedy generation with the KV cache gives the same tokens"
-                                    if saved.generation else "") + ".", "",
+        + ("memory; this ONNX model's greedy generations (ONNX Runtime GenAI, KV cache) equal PyTorch's on the same "
+           "compact checkpoint." if saved.layout == "onnx" else
+           "memory; this checkpoint reproduces those logits: reloaded and compared with that model (rounded to the "
+           "storage dtype) to 1e-5" + (", and greedy generation with the KV cache gives the same tokens"
+                                       if saved.generation else "") + "."), "",
         report.result_table(run.metrics, params), "",
     ]
 

@@ -29,18 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pruner.checkpoints import loading, saving, storage
-from pruner.core import outputs
+import torch
+
+from pruner.checkpoints import layout as forms
+from pruner.checkpoints import loading, onnx, saving, storage
+from pruner.core import outputs, runtime
 from pruner.core.redact import redact
 from pruner.pruning import surgery
 from pruner.runs import provenance
 from pruner.runs.card import model_card
 from pruner.runs.folders import Run, load_run, recipe_storage_dtype, save_checkpoint
 
-FORMATS = ("dense", "compact")
+FORMATS = ("dense", "compact", "onnx")
 ATOL = saving.ATOL
 ExportError = storage.CheckpointError  # a checkpoint that cannot be written (or would not reload)
 
@@ -50,7 +54,8 @@ class PushError(OSError):
 
 
 def rebuild(run: Run, fmt: str):
-    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation."""
+    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation (`onnx`: the compact one)."""
+    fmt = "compact" if fmt == "onnx" else fmt
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
     model = loading.load_base(run.recipe.model)
@@ -83,8 +88,12 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
                  dtype: str | None = None) -> Exported:
     """Rebuild, check, write to a temporary folder, reload-verify, add card + plan.json, rename to `out`."""
     out = Path(out)
+    if fmt == "onnx":
+        onnx.require()  # a missing extra fails before anything is rebuilt
     with outputs.atomic_dir(out, overwrite) as tmp:  # an existing `out` is refused before the rebuild
         model, tokenizer = rebuild(run, fmt)
+        if fmt == "onnx":
+            return write_onnx(run, model, tokenizer, tmp, out, repo_id, dtype if dtype in onnx.PRECISIONS else "float32")
         saved = save_checkpoint(model, tokenizer, tmp, fmt == "compact", storage_dtype(run, dtype))
         shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
         params = sum(p.numel() for p in model.parameters())
@@ -92,6 +101,30 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
                     saved.why_per_layer, saved.generation)
+
+
+def write_onnx(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | None, dtype: str) -> Exported:
+    """The compact model as a vanilla checkpoint (it must be one), through the GenAI builder into `tmp`, checked
+    by its generator against transformers on the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    kind, why = forms.layout(model, removed=True)
+    if kind != "vanilla" or not runtime.attends_causally(model):
+        reason = why or "ONNX Runtime GenAI runs causal language models"
+        raise ExportError(f"ONNX export needs a vanilla compact causal LM, and this run's is not: {reason}. Prune "
+                          "with selection.shape: servable (the default for Llama, Mistral, Qwen2 and Qwen3) at a "
+                          "servable target, or export --format compact for pruner.load / transformers")
+    with tempfile.TemporaryDirectory(prefix="pruner-onnx-") as hf:
+        saved = save_checkpoint(model, tokenizer, Path(hf), True, "float32")
+        onnx.build(Path(hf), tmp, dtype)
+        reference = AutoModelForCausalLM.from_pretrained(hf, dtype=getattr(torch, dtype)).eval()
+        onnx.check(tmp, reference)
+    shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
+    params = sum(p.numel() for p in model.parameters())
+    saved = dataclasses.replace(saved, layout="onnx", dtype=dtype, generation=True)
+    model_card(run, "onnx", model, params, repo_id, saved).save(tmp / "README.md")
+    size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
+    return Exported(out, "onnx", params, size, 0.0, "onnx", dtype, 0.0, None, True)
 
 
 def commit_message(run: Run, fmt: str) -> str:

@@ -175,7 +175,7 @@ class EvaluationSpec(DataSpec):
 class ExportSpec(_Strict):
     """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
 
-    format: Literal["none", "dense", "compact"] = "none"
+    format: Literal["none", "dense", "compact", "onnx"] = "none"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="storage dtype of saved checkpoints (model/ and exports); auto: the base checkpoint's own")
     push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
@@ -196,7 +196,7 @@ class ExportSpec(_Strict):
     @model_validator(mode="after")
     def _push_needs_export(self):
         if self.push_to_hub and self.format == "none":
-            raise ValueError("push_to_hub needs an export: set export.format to dense or compact")
+            raise ValueError("push_to_hub needs an export: set export.format to dense, compact or onnx")
         if self.private and not self.push_to_hub:
             raise ValueError("private applies only with export.push_to_hub")
         return self

@@ -1,0 +1,87 @@
+"""ONNX Runtime GenAI export (`pruner export RUN --format onnx`): every vanilla family's compact model goes through
+the GenAI model builder and generates PyTorch's greedy tokens; the refusals are one line each."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import onnxruntime_genai  # noqa: F401 - the onnx extra is part of the test extra: its absence fails, never skips
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pruner.checkpoints import onnx
+from pruner.cli import main
+from pruner.core import assets
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--set", "calibration.num_samples=8", "--set", "calibration.length=32", "--set", "evaluation.num_samples=4",
+         "--set", "evaluation.length=32", "--set", "evaluation.bootstrap=10", "--set", "evaluation.latency=false",
+         "--set", "bench.enabled=false", "--set", "capture.metrics=[cosine]"]
+
+
+def tiny_run(tmp_path: Path, family: str, *sets: str) -> Path:
+    """A random 2-layer `family` model (4 query / 2 KV heads) with the shipped Llama's tokenizer, pruned."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
+    config = cls[0](vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                    bos_token_id=0, eos_token_id=1)
+    base = tmp_path / family
+    cls[1](config).save_pretrained(base)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(assets.resolve("llama-shakespeare")) / f, base / f)
+    (tmp_path / "recipe.yaml").write_text(f"model: {{path: {base}}}\nsinks: {{mode: first}}\n")
+    run = tmp_path / "run"
+    assert main(["prune", str(tmp_path / "recipe.yaml"), "--out", str(run), *QUICK,
+                 *(x for s in sets for x in ("--set", s))]) == 0
+    return run
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_every_vanilla_family_exports_and_generates_pytorchs_tokens(family, tmp_path, capsys):
+    run = tiny_run(tmp_path, family, "selection.target=0.5")
+    assert main(["export", str(run), "--format", "compact"]) == 0
+    assert main(["export", str(run), "--format", "onnx"]) == 0
+    out = run / "export-onnx"
+    assert {"model.onnx", "genai_config.json", "README.md", "plan.json"} <= {f.name for f in out.iterdir()}
+    assert "ONNX Runtime GenAI" in (out / "README.md").read_text()
+    vanilla = AutoModelForCausalLM.from_pretrained(run / "export-compact", dtype=torch.float32).eval()
+    assert vanilla.config.num_attention_heads == 2  # half of the 4 heads gone in every layer
+    ids = onnx.prompt(vanilla.config.vocab_size)
+    assert onnx.genai_greedy(out, ids, 12) == onnx.torch_greedy(vanilla, ids, 12)
+    assert "its greedy generations equal PyTorch's" in capsys.readouterr().out
+
+
+def test_a_per_layer_model_is_refused_with_the_servable_alternative(tmp_path, capsys):
+    run = tiny_run(tmp_path, "llama", "selection.target=2", "selection.shape=any")  # from one layer: layers differ
+    assert main(["export", str(run), "--format", "onnx"]) == 2
+    err = capsys.readouterr().err
+    assert "ONNX export needs a vanilla compact causal LM" in err and "selection.shape: servable" in err
+    assert not (run / "export-onnx").exists()
+
+
+def test_a_missing_extra_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    run = tiny_run(tmp_path, "llama", "selection.target=0.5")
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as when it is not installed
+    assert main(["export", str(run), "--format", "onnx"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "pruner[onnx]"' in err and not (run / "export-onnx").exists()
+
+
+def test_a_generation_that_differs_is_refused(tmp_path, monkeypatch, capsys):
+    run = tiny_run(tmp_path, "llama", "selection.target=0.5")
+    real = onnx.genai_greedy
+    monkeypatch.setattr(onnx, "genai_greedy", lambda folder, ids, n=onnx.NEW_TOKENS: real(folder, ids, n)[:-1] + [7])
+    assert main(["export", str(run), "--format", "onnx"]) == 2
+    assert "generates differently from PyTorch (greedy, token 16 of 16 differs); nothing was published" in \
+        capsys.readouterr().err
+    assert not (run / "export-onnx").exists() and json.loads((run / "metrics.json").read_text())["pruned_heads"] == 4
