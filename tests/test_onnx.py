@@ -85,3 +85,23 @@ def test_a_generation_that_differs_is_refused(tmp_path, monkeypatch, capsys):
     assert "generates differently from PyTorch (greedy, token 16 of 16 differs); nothing was published" in \
         capsys.readouterr().err
     assert not (run / "export-onnx").exists() and json.loads((run / "metrics.json").read_text())["pruned_heads"] == 4
+
+
+def test_bench_in_onnxruntime_genai_measures_both_models(tmp_path, capsys):
+    """`pruner bench RUN --runtime onnxruntime-genai`: both models built and timed in that runtime; the files
+    shrink by the removed heads' share of the parameters; a per-layer run is refused."""
+    run = tiny_run(tmp_path, "llama", "selection.target=0.5")
+    assert main(["bench", str(run), "--runtime", "onnxruntime-genai", "--lengths", "16,32", "--decode", "1x8,2x8",
+                 "--new-tokens", "4", "--repeats", "1"]) == 0
+    result = json.loads((run / "bench-onnxruntime-genai.json").read_text())
+    figures = {f["name"]: f for f in result["figures"]}
+    assert {"model files", "prefill T=16", "prefill T=32", "decode batch 1, prompt 8", "decode batch 2, prompt 8",
+            "peak memory (batch 2, prompt 8)"} == set(figures)
+    files = figures["model files"]
+    assert files["pruned"] < files["base"] and abs(files["saving"] - files["ideal"]) < 0.02
+    assert result["conditions"]["runtime"] == "onnxruntime-genai" and result["heads"]["pruned"] == 4
+    assert "ONNX Runtime GenAI" in (run / "bench-onnxruntime-genai.md").read_text()
+    per_layer = tiny_run(tmp_path / "b", "llama", "selection.target=2", "selection.shape=any")
+    capsys.readouterr()
+    assert main(["bench", str(per_layer), "--runtime", "onnxruntime-genai", "--repeats", "1"]) == 2
+    assert "needs a vanilla compact model" in capsys.readouterr().err

@@ -197,9 +197,11 @@ class BenchResult:
         """The table with what it measured and where: the `bench` section of report.md and the model card."""
         c, h = self.conditions, self.heads
         cases = ", ".join(f"batch {b} from a {p}-token prompt" for b, p in c.get("decode", []))
+        where = ("in ONNX Runtime GenAI (the builder's CPU models), a fresh process per model and round"
+                 if c.get("runtime") == "onnxruntime-genai" else "in one process")
         return "\n".join([
             f"Base vs the compact model ({h['pruned']} of {h['total']} query heads and {h['kv_removed']} of "
-            f"{h['kv_total']} KV heads removed), measured in one process: {c.get('dtype')} on {c.get('device')}, "
+            f"{h['kv_total']} KV heads removed), measured {where}: {c.get('dtype')} on {c.get('device')}, "
             f"{c.get('threads')} threads, median of {c.get('repeats')} interleaved rounds (load average "
             f"{_load(c)}). Prefill: batch 1, the last position's logits; decode: greedy generation with the KV "
             f"cache, {c.get('new_tokens')} new tokens" + (f", {cases}" if cases else "") + ".", "",
@@ -233,7 +235,7 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
-def _timed(name: str, unit: str, base: list[float], pruned: list[float], ideal: float, basis: str,
+def timed(name: str, unit: str, base: list[float], pruned: list[float], ideal: float, basis: str,
            throughput: float | None = None) -> Figure:
     """A timed figure: medians, and the per-round savings' range (rounds pair base and pruned runs)."""
     per_round = [saving(b, p) for b, p in zip(base, pruned)]
@@ -261,11 +263,11 @@ def compare(base, pruned, plan: Schedule, rb: Timings, rp: Timings, checkpoint_d
     logits = 1 if "logits_to_keep" in inspect.signature(base.forward).parameters else None
     for T in plan.lengths:
         n = logits or T
-        figs.append(_timed(f"prefill T={T}", "ms", rb.prefill[T], rp.prefill[T],
+        figs.append(timed(f"prefill T={T}", "ms", rb.prefill[T], rp.prefill[T],
                            saving(prefill_flops(sb, T, n), prefill_flops(sp, T, n)), "FLOPs"))
     for b, P in plan.decode:
         context = P + plan.new_tokens / 2
-        figs.append(_timed(f"decode batch {b}, prompt {P}", "tokens/s", rb.decode[(b, P)], rp.decode[(b, P)],
+        figs.append(timed(f"decode batch {b}, prompt {P}", "tokens/s", rb.decode[(b, P)], rp.decode[(b, P)],
                            saving(decode_bytes(sb, b, context), decode_bytes(sp, b, context)), "bytes moved",
                            throughput=b))
     if rb.memory and rp.memory and plan.memory is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,3 +203,49 @@ def bench_run(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), dtype: str 
         base = base.to(getattr(torch, dtype))  # a no-op unless the loader has its own dtype (the MLM readout)
     pruned = compact_copy(base, run.heads, run.bias)
     return bench(base, pruned, cfg, checkpoint_dtype(run.recipe.model, base), progress)
+
+
+RUNTIMES = ("pytorch", "onnxruntime-genai")
+
+
+def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: bool = True) -> BenchResult:
+    """`pruner bench RUN_DIR --runtime onnxruntime-genai`: the base and the run's compact model, each written as a
+    vanilla checkpoint and converted by ONNX Runtime GenAI's builder (float32, CPU), timed in that runtime.
+
+    Lengths and prompts are capped to the model's context; the compact model must be vanilla (a servable shape).
+    """
+    import dataclasses
+    import tempfile
+
+    from pruner.checkpoints import layout as forms
+    from pruner.checkpoints import onnx
+    from pruner.evaluation import onnx_timing
+
+    onnx.require()
+    run = load_run(Path(run_dir))
+    if run.recipe.model.path == "(in memory)":
+        raise ValueError(f"{run_dir} was pruned from a model built in memory: bench needs its base")
+    base = loading.load_base(run.recipe.model.model_copy(update={"dtype": "float32"}))
+    pruned = compact_copy(base, run.heads, run.bias)
+    kind, why = forms.layout(pruned, removed=True)
+    if kind != "vanilla":
+        raise ValueError(f"ONNX Runtime GenAI needs a vanilla compact model, and this run's is not: {why}; prune "
+                         "with selection.shape: servable at a servable target")
+    context = base.config.max_position_embeddings
+    cfg = dataclasses.replace(
+        cfg, lengths=tuple(sorted({min(T, context - 1) for T in cfg.lengths})),
+        decode=tuple(sorted({(b, min(p, context - cfg.new_tokens - 1)) for b, p in cfg.decode})))
+    tokenizer = loading.load_tokenizer(run.recipe.model.path, trust_remote_code=run.recipe.model.trust_remote_code)
+    with tempfile.TemporaryDirectory(prefix="pruner-bench-onnx-") as tmp:
+        folders = {}
+        for name, model in (("base", base), ("pruned", pruned)):
+            hf = Path(tmp) / f"{name}-hf"
+            save_checkpoint(model, tokenizer, hf, name == "pruned", "float32")
+            onnx.build(hf, Path(tmp) / name, "float32")
+            shutil.rmtree(hf)
+            folders[name] = Path(tmp) / name
+        load = [round(x, 2) for x in os.getloadavg()]
+        runs = onnx_timing.measure(folders, cfg, base.config.vocab_size, progress)
+        result = onnx_timing.compare(base, pruned, folders, cfg, runs, itemsize=4)
+    result.conditions.update(load_average_before=load, load_average_after=[round(x, 2) for x in os.getloadavg()])
+    return result

@@ -1,0 +1,149 @@
+"""What pruning buys in ONNX Runtime GenAI: the base and the compact model, each as the GenAI builder writes it.
+
+Every round runs each model in a fresh process (`python -m pruner.evaluation.onnx_timing FOLDER CASES`),
+base and pruned alternately, so the peak resident memory of a process is one model's and a shared
+machine's load falls on both alike; round 0 warms the file cache and is not kept. In a process:
+prefill = `append_tokens` of a T-token prompt at batch 1 (the pass that fills the KV cache and gives the
+last position's logits); decode = `generate_next_token` steps after a P-token prompt at batch B, seconds
+per step; memory = the process's peak resident set (VmHWM) after the largest decode case. Figures and
+their ideals are those of `pruner.evaluation.bench`, from the PyTorch models' geometry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pruner.core import environment
+from pruner.evaluation.bench import BenchResult, Figure, timed
+from pruner.evaluation.ideal import decode_bytes, prefill_flops, resident_bytes, saving, shape_of
+from pruner.evaluation.timing import BenchConfig, Timings
+
+
+def _peak_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure_folder(folder: Path, cases: dict) -> dict:
+    """One process's measurements of one GenAI model folder: {"prefill": {T: s}, "decode": {"BxP": s/step},
+    "peak_kib": ...}. `cases`: {"lengths": [...], "decode": [[B, P], ...], "new_tokens": N, "vocab": V}."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    rng = np.random.default_rng(0)
+    ids = lambda b, t: rng.integers(3, cases["vocab"], size=(b, t), dtype=np.int32)  # noqa: E731
+
+    def generator(batch: int, length: int):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length, min_length=length, do_sample=False, batch_size=batch)
+        return og.Generator(model, params)
+
+    out = {"prefill": {}, "decode": {}}
+    for T in cases["lengths"]:
+        gen, prompt = generator(1, T + 1), ids(1, T)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        out["prefill"][str(T)] = time.perf_counter() - t0
+    for b, p in cases["decode"]:
+        gen = generator(b, p + cases["new_tokens"])
+        gen.append_tokens(ids(b, p))
+        gen.generate_next_token()  # the first step follows the prompt: not a cached step
+        t0 = time.perf_counter()
+        steps = 0
+        while not gen.is_done():
+            gen.generate_next_token()
+            steps += 1
+        out["decode"][f"{b}x{p}"] = (time.perf_counter() - t0) / max(steps, 1)
+    out["peak_kib"] = _peak_kib()
+    return out
+
+
+def _spawn(folder: Path, cases: dict) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
+    done = subprocess.run([sys.executable, "-m", "pruner.evaluation.onnx_timing", str(folder), json.dumps(cases)],
+                          capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"timing {folder} in ONNX Runtime GenAI failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(folders: dict[str, Path], cfg: BenchConfig, vocab: int, progress: bool = False) -> dict[str, Timings]:
+    """Interleaved rounds over fresh processes; round 0 (warm-up) is dropped."""
+    cases = {"lengths": list(cfg.lengths), "decode": [list(c) for c in cfg.decode], "new_tokens": cfg.new_tokens,
+             "vocab": vocab}
+    runs = {name: Timings({T: [] for T in cfg.lengths}, {tuple(c): [] for c in cfg.decode}, []) for name in folders}
+    for r in range(cfg.repeats + 1):
+        for name, folder in folders.items():
+            got = _spawn(folder, cases)
+            if progress:
+                print(f"onnxruntime-genai round {r}/{cfg.repeats}: {name}", file=sys.stderr, flush=True)
+            if r == 0:
+                continue
+            for T in cfg.lengths:
+                runs[name].prefill[T].append(got["prefill"][str(T)])
+            for b, p in cfg.decode:
+                runs[name].decode[(b, p)].append(got["decode"][f"{b}x{p}"])
+            runs[name].memory.append(got["peak_kib"] * 1024)
+    return runs
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.name.startswith("model.onnx"))
+
+
+def compare(base, pruned, folders: dict[str, Path], cfg: BenchConfig, runs: dict[str, Timings],
+            itemsize: int) -> BenchResult:
+    """The figures of the pruned GenAI model against the base's, each next to its ideal (the PyTorch models'
+    geometry; `itemsize`: bytes per weight in the ONNX files)."""
+    from pruner.core import arch
+    from pruner.pruning import surgery
+
+    sb = shape_of(base)
+    sp = shape_of(base, surgery.kept_heads(pruned))
+    fb, fp = _bytes(folders["base"]), _bytes(folders["pruned"])
+    rb, rp = runs["base"], runs["pruned"]
+    figs = [Figure("model files", "MB", fb / 1e6, fp / 1e6, saving(fb, fp), saving(sb.params, sp.params),
+                   "parameters")]
+    for T in cfg.lengths:
+        figs.append(timed(f"prefill T={T}", "ms", rb.prefill[T], rp.prefill[T],
+                           saving(prefill_flops(sb, T, 1), prefill_flops(sp, T, 1)), "FLOPs"))
+    for b, p in cfg.decode:
+        context = p + cfg.new_tokens / 2
+        figs.append(timed(f"decode batch {b}, prompt {p}", "tokens/s", rb.decode[(b, p)], rp.decode[(b, p)],
+                           saving(decode_bytes(sb, b, context), decode_bytes(sp, b, context)), "bytes moved",
+                           throughput=b))
+    b, p = max(cfg.decode, key=lambda c: c[0] * c[1])
+    tokens = b * (p + cfg.new_tokens)
+    mb, mp = statistics.median(rb.memory), statistics.median(rp.memory)
+    wb = replace_itemsize(sb, itemsize)
+    wp = replace_itemsize(sp, itemsize)
+    figs.append(Figure(f"peak memory (batch {b}, prompt {p})", "MB", mb / 1e6, mp / 1e6, saving(mb, mp),
+                       saving(resident_bytes(wb, tokens), resident_bytes(wp, tokens)), "weights + KV cache",
+                       None, len(rb.memory)))
+    g = arch.geometry(base)
+    heads = {"pruned": sum(sb.q_heads) - sum(sp.q_heads), "total": sum(sb.q_heads),
+             "kv_removed": sum(sb.kv_heads) - sum(sp.kv_heads), "kv_total": sum(sb.kv_heads),
+             "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads), "group_size": g.group_size}
+    conditions = {"runtime": "onnxruntime-genai", "device": "cpu", "dtype": {4: "float32", 2: "float16"}[itemsize],
+                  "repeats": cfg.repeats, "new_tokens": cfg.new_tokens, "lengths": list(cfg.lengths),
+                  "decode": [list(c) for c in cfg.decode], **environment.versions(), **environment.machine()}
+    return BenchResult(figs, heads, conditions)
+
+
+def replace_itemsize(shape, itemsize: int):
+    from dataclasses import replace
+
+    return replace(shape, itemsize=itemsize)
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure_folder(Path(sys.argv[1]), json.loads(sys.argv[2]))))
