@@ -14,7 +14,7 @@ from pruner.core import arch
 from pruner.core.tables import markdown_table
 from pruner.pruning.scoring import SCORERS, get_scorer
 from pruner.pruning.selection import SelectionConfig, convention_sensitivity, select
-from pruner.runs import pipeline
+from pruner.runs import context, pipeline
 from pruner.runs.recipe_io import load_recipe
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     for name in args.models:
         recipe = load_recipe({"model": {"path": name}, "evaluation": {"data": "shakespeare:evaluation",
                                                                       "num_samples": 1}})
-        session = pipeline.prepare(recipe, progress=False)
+        session = context.prepare(recipe, progress=False)
         inputs = pipeline.scoring_inputs(session, gradient=True, progress=False)
         geom = arch.geometry(session.model)
         cfg = SelectionConfig(target=args.target)

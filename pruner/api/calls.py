@@ -24,7 +24,7 @@ from typing import Any
 
 from pruner.checkpoints import loading
 from pruner.core import arch, assets, distributed, resume
-from pruner.runs import pipeline, provenance
+from pruner.runs import context, provenance
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import build_recipe
 
@@ -60,8 +60,8 @@ class Call:
     evaluation_texts: list[str] | None = None
 
     def session(self, progress: bool, evaluation: bool = True,
-                checkpoints: resume.Checkpoints = resume.NONE) -> pipeline.Session:
-        return pipeline.prepare(self.recipe, progress, model=self.model, tokenizer=self.tokenizer,
+                checkpoints: resume.Checkpoints = resume.NONE) -> context.Session:
+        return context.prepare(self.recipe, progress, model=self.model, tokenizer=self.tokenizer,
                                 calibration_texts=self.calibration_texts,
                                 evaluation_texts=self.evaluation_texts, evaluation=evaluation,
                                 checkpoints=checkpoints)

@@ -10,7 +10,7 @@ from pruner.checkpoints import loading
 from pruner.core import runtime
 from pruner.evaluation import accuracy
 from pruner.evaluation.downstream import Downstream
-from pruner.runs import export, pipeline, provenance
+from pruner.runs import context, export, provenance
 from pruner.runs import folders as runs
 
 
@@ -72,7 +72,7 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     tasks_for = lambda m: Downstream(m, tok, tasks.spec_from_recipe(ev), causal,  # noqa: E731
                                             n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
     tasks_of = tasks_for(model)  # unknown tasks, a missing extra, an unreachable dataset: before any compute
-    windows = pipeline.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
+    windows = context.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
     nll, count, _ = window_scores(model, windows, ev.batch_size, progress=progress, causal=causal)
     out = {"model": name, "perplexity": perplexity(nll, count), "windows": len(windows), "tokens": int(count.sum())}
     scores = tasks_of.scores() if tasks_of else None

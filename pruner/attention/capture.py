@@ -156,27 +156,42 @@ class Capture:
             it = tqdm(it, total=n_batches, initial=done, desc="capture", unit="batch")
         for k, b in enumerate(it, start=done + 1):
             ids, mask2d = b.input_ids.to(device), b.attention_mask.to(device)
-            if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
-                sink = torch.zeros_like(mask2d, dtype=torch.bool)
-                self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
-            else:
-                sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
-            self._batch = ForwardBatch(mask2d, sink, mask2d.bool() & ~sink,
-                                       folds=None if folds is None else folds[(k - 1) * batch_size:k * batch_size])
+            self._batch = self.forward_batch(ids, mask2d, None if folds is None else
+                                             folds[(k - 1) * batch_size:k * batch_size])
             try:
                 forward(self.model.base_model, ids, mask2d, use_cache=False)  # no logits, no KV cache
                 if self._kept:
                     self._fold_across_layers()
-                residual = self._batch.residual
+                done_batch = self._batch
             finally:
                 self._batch = None
                 self._kept = {}
-            if self.config.outputs:  # the residual stream each layer's heads write into
-                sq = torch.stack(residual)
-                self._residual = sq if self._residual is None else self._residual + sq
-                self._tokens += int(mask2d.bool().sum())
+            self.add_residual(done_batch)
             checkpoints.step(name, k, lambda: self.state(k))
         checkpoints.finish(name, lambda: self.state(n_batches))
+
+    def forward_batch(self, ids: torch.Tensor, mask2d: torch.Tensor, folds: torch.Tensor | None) -> ForwardBatch:
+        """What the attention function needs about a batch (sinks, counted rows, folds), for one pass or for every
+        block of a layer-by-layer pass (`pruner.attention.sequential`)."""
+        if self.sinks.mode == "auto":  # no sinks yet: only measure received attention
+            sink = torch.zeros_like(mask2d, dtype=torch.bool)
+            self._received.append([ids.cpu(), mask2d.cpu(), 0.0, 0.0])
+        else:
+            sink = sink_mask(ids, mask2d, self.sinks, self.tokenizer)
+        return ForwardBatch(mask2d, sink, mask2d.bool() & ~sink, folds=folds)
+
+    def use_batch(self, batch: ForwardBatch | None) -> None:
+        """The batch the attention function sees next (a layer-by-layer pass sets it before every call)."""
+        if _ACTIVE is not self:
+            raise RuntimeError("Capture.use_batch must be called inside `with Capture(...)`")
+        self._batch = batch
+
+    def add_residual(self, batch: ForwardBatch) -> None:
+        """The residual stream's squared norms the batch's blocks saw, and its tokens (with output moments)."""
+        if self.config.outputs:
+            sq = torch.stack(batch.residual)
+            self._residual = sq if self._residual is None else self._residual + sq
+            self._tokens += int(batch.mask2d.bool().sum())
 
     def state(self, cursor: int) -> dict:
         """The sums so far and how many of this process's batches they hold (`pruner.core.resume`)."""

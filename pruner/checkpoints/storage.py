@@ -33,6 +33,11 @@ def _headers(files: list[Path]) -> dict[str, dict]:
     return out
 
 
+def weight_numel(files: list[Path]) -> int:
+    """Elements of every floating tensor in safetensors files (headers only)."""
+    return sum(math.prod(t["shape"]) for t in _headers(files).values() if t["dtype"] in _SAFETENSORS_DTYPES)
+
+
 def _safetensors_dtypes(files: list[Path]) -> dict[str, int]:
     """Element count per floating dtype over the tensors of safetensors files."""
     counts: dict[str, int] = {}
@@ -135,3 +140,45 @@ def check_weights(build, folder: Path) -> None:
                 f"{folder}: config.json does not match the weights: {key} is {list(shape)} in the checkpoint but "
                 f"{list(want)} by the config's head counts (was config.json edited, or copied from another "
                 "checkpoint?)")
+
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_shards(folder: Path) -> dict[str, Path]:
+    """Every safetensors shard of a checkpoint read far enough to know it is whole: its header parses, every
+    tensor's byte range fits the file and matches its dtype and shape. Returns tensor name -> shard.
+
+    A truncated, corrupt or missing shard is one CheckpointError naming it, before any weight is read
+    (memory-mapping a file of random bytes otherwise ends in an unexpected MemoryError).
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        missing = sorted({f for f in json.loads(index.read_text())["weight_map"].values()
+                          if not (folder / f).exists()})
+        if missing:
+            raise CheckpointError(f"{folder}: the index names shards that are missing: {', '.join(missing)}")
+    where: dict[str, Path] = {}
+    for f in weight_files(folder):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                if n > size - 8:
+                    raise ValueError(f"header of {n} bytes in a file of {size}")
+                header = json.loads(fh.read(n))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e}); the download or copy is corrupt: "
+                                  "fetch that shard again") from None
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = t["data_offsets"]
+            want = math.prod(t["shape"]) * _ITEMSIZE.get(t["dtype"], 0)
+            if end > size - 8 - n or (want and end - start != want):
+                raise CheckpointError(f"{f}: tensor {name} runs past the end of the file ({size:,} bytes): the shard "
+                                      "is truncated; fetch it again")
+            where[name] = f
+    return where

@@ -20,7 +20,7 @@ from pruner.pruning.compensation import compensate
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 
 
-def _diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
+def diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
     L, H, D = g.n_layers, g.n_heads, g.head_dim
     return torch.diagonal(grams.view(L, H, D, H, D), dim1=1, dim2=3).permute(0, 3, 1, 2).contiguous()
 
@@ -33,31 +33,34 @@ def layer_grams(model) -> torch.Tensor:
     layer, seconds for a 1B model, for a precision (~1e-7) no score needs. Computed where
     each layer's weights live, returned on the CPU beside the captured statistics.
     """
-    g = arch.geometry(model)
-    out = []
-    for layer in range(g.n_layers):
-        w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
-        with precision.matmul_precision(w.dtype == torch.bfloat16):
-            out.append(moments.gram(w.float(), g.n_heads).double().cpu())
-    return torch.stack(out)
+    return torch.stack([layer_gram(model, layer) for layer in range(arch.geometry(model).n_layers)])
+
+
+def layer_gram(model, layer: int) -> torch.Tensor:
+    """`layer_grams` of one layer (its block must be in memory): (H*d_head, H*d_head), float64, on the CPU."""
+    w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
+    with precision.matmul_precision(w.dtype == torch.bfloat16):
+        return moments.gram(w.float(), arch.geometry(model).n_heads).double().cpu()
 
 
 def weight_norms(model) -> torch.Tensor:
     """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)
 
     On the CPU, whatever device the model is on (scores live beside the captured statistics)."""
+    return torch.stack([weight_norm(model, layer) for layer in range(arch.geometry(model).n_layers)])
+
+
+def weight_norm(model, layer: int) -> torch.Tensor:
+    """`weight_norms` of one layer (its block must be in memory): (head,), on the CPU."""
     g = arch.geometry(model)
     sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
-    rows = []
-    for layer in range(g.n_layers):
-        q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
-        o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
-        per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
-        q_sq = per_head(sq(q), g.n_heads)
-        kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
-        o_sq = per_head(sq(o.t()), g.n_heads)
-        rows.append((q_sq + kv_sq + o_sq).sqrt().cpu())
-    return torch.stack(rows)
+    q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
+    o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
+    per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
+    q_sq = per_head(sq(q), g.n_heads)
+    kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
+    o_sq = per_head(sq(o.t()), g.n_heads)
+    return (q_sq + kv_sq + o_sq).sqrt().cpu()
 
 
 def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -165,7 +168,7 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     measured = None if ablation is None else _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress)
     grams = layer_grams(model)
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
-    return ScoringInputs(stats=stats, gram=_diagonal_blocks(grams, arch.geometry(model)),
+    return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, arch.geometry(model)),
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
                          cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=intercept,
                          ridge=PRICING_RIDGE if ridge == "auto" else ridge,

@@ -8,8 +8,8 @@ from tqdm.auto import tqdm
 from pruner.core import arch
 from pruner.pruning.scoring import get_scorer
 from pruner.pruning.selection import SelectionError, select, shape_note
+from pruner.runs.context import Session, resident
 from pruner.runs.pipeline import (
-    Session,
     base_metrics,
     check_refit_tokens,
     compensation,
@@ -34,6 +34,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         check_refit_tokens(session)
     inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
                             ablation=any(get_scorer(s).needs_ablation for s in scorers))
+    resident(session)  # evaluation runs the whole model
     base = base_metrics(session, progress)
     geom = arch.geometry(session.model)
     records = []

@@ -13,28 +13,17 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
-import torch
-
-from pruner.attention.capture import CaptureConfig, capture_stats, resolve_auto_sinks
-from pruner.attention.sinks import SinkSpec, check_content, default_spec
+from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.checkpoints import layout as forms
-from pruner.checkpoints import loading
-from pruner.core import arch, data, distributed, resume, runtime
-from pruner.evaluation import bench, downstream, tasks
-from pruner.evaluation.perplexity import (
-    EvalWindows,
-    fidelity,
-    latency_ms,
-    masked_lines,
-    paired_delta,
-    sliding_windows,
-    window_scores,
-)
+from pruner.core import arch, distributed
+from pruner.evaluation import bench
+from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
 from pruner.pruning import refit, surgery
 from pruner.pruning.calibrate import calibrate
 from pruner.pruning.compensation import compensate, refit_sequential
+from pruner.pruning.layerwise import calibrate_layerwise
 from pruner.pruning.scoring import ScoringInputs, get_scorer
 from pruner.pruning.selection import (
     Plan,
@@ -46,94 +35,8 @@ from pruner.pruning.selection import (
     shape_note,
 )
 from pruner.runs import resources
+from pruner.runs.context import Session, resident
 from pruner.runs.recipe import Recipe, SurgerySpec
-
-
-@dataclass
-class Session:
-    """What every stage shares: the model, tokenizer and samples, built once.
-
-    `evaluation` (the windows perplexity is measured on) is built on first use, so
-    planning alone never reads the evaluation text.
-    """
-
-    recipe: Recipe
-    model: object
-    tokenizer: object
-    causal: bool
-    sinks: SinkSpec
-    calibration: data.TokenBatch
-    evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
-    _evaluation: EvalWindows | None = field(default=None, repr=False)
-    _downstream: downstream.Downstream | None = field(default=None, repr=False)
-    checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
-
-    @property
-    def evaluation(self) -> EvalWindows:
-        if self._evaluation is None:
-            self._evaluation = evaluation_windows(self.recipe, self.model, self.tokenizer, self.causal,
-                                                  self.evaluation_texts)
-        return self._evaluation
-
-    @property
-    def downstream(self) -> downstream.Downstream | None:
-        """The recipe's evaluation.tasks, loaded once (None without tasks)."""
-        ev = self.recipe.evaluation
-        if self._downstream is None and ev.tasks:
-            self._downstream = downstream.Downstream(self.model, self.tokenizer, tasks.spec_from_recipe(ev), self.causal,
-                                                n_boot=max(ev.bootstrap, 1))
-        return self._downstream
-
-
-def _source(spec) -> data.TextSource:
-    return data.TextSource(spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
-
-
-def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
-    """Decoders: strided perplexity windows; encoders: lines with a fixed masking (needs an MLM head)."""
-    ev = recipe.evaluation
-    texts = texts if texts is not None else data.load_texts(_source(ev))
-    if causal:
-        return sliding_windows(tokenizer, texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
-    if not hasattr(model, "cls"):
-        raise ValueError(f"{recipe.model.path}: masked-token perplexity needs a masked-LM head "
-                         "(set model.mlm_readout: shipped for all-MiniLM-L6-v2)")
-    return masked_lines(tokenizer, texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
-
-
-def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
-            calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
-            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE) -> Session:
-    """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
-
-    `model`/`tokenizer` default to what `recipe.model` names; texts default to the
-    recipe's data sources. With `evaluation`, the evaluation windows are built now,
-    so unusable evaluation text fails before any calibration compute. `checkpoints`:
-    where a resumable run keeps its stages (`pruner.core.resume`).
-    """
-    if recipe.threads:
-        torch.set_num_threads(recipe.threads)
-    torch.manual_seed(recipe.seed)
-    m = recipe.model
-    if model is None:
-        model = loading.load_base(m, device=distributed.local_device(m.device))
-    arch.adapter_for(model)  # unsupported architecture: fail before any compute
-    tok = tokenizer if tokenizer is not None else loading.load_tokenizer(m.path, m.trust_remote_code)
-    causal = runtime.attends_causally(model)
-    cal = recipe.calibration
-    texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
-    batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
-    s = recipe.sinks
-    spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
-    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints)
-    if evaluation:
-        session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
-        session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
-    if spec.mode == "auto":
-        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size,
-                                           checkpoints=checkpoints)
-    check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
-    return session
 
 
 def scoring_inputs(session: Session, gradient: bool, progress: bool = True, ablation: bool = False) -> ScoringInputs:
@@ -144,6 +47,11 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True, abla
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     folds = r.surgery.folds if r.surgery.ridge == "auto" else 0  # cross-validating refit's ridge
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds)
+    if session.onloader is not None:  # one block resident at a time
+        return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
+                                   session.onloader, device=session.onloader.device,
+                                   batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,
+                                   ridge=r.surgery.ridge, gradient=gradient, ablation=ablation)
     if r.capture.memory_check:
         resources.check_memory(session.model, resources.Sizes(
             batch_size=min(r.calibration.batch_size, len(session.calibration)),
@@ -322,6 +230,8 @@ def run(session: Session, progress: bool = True) -> RunResult:
     if recipe.surgery.compensation == "refit":
         check_refit_tokens(session)
     plan = make_plan(session, progress=progress)
+    resident(session)  # evaluation and surgery run the whole model
+    model = session.model
     base = base_metrics(session, progress)
     params_before = sum(p.numel() for p in model.parameters())
     latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None

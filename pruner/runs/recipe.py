@@ -210,6 +210,10 @@ class CaptureSpec(_Strict):
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
     memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
                                                  "the free memory")
+    onload: Literal["auto", "all", "sequential"] = Field(
+        "auto", description="all: the whole model resident during calibration; sequential: one block at a time, "
+                            "read from the checkpoint's safetensors (models larger than memory); auto: sequential "
+                            "when the model does not fit the device's free memory")
 
 
 class CheckpointSpec(_Strict):

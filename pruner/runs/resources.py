@@ -246,3 +246,23 @@ def checkpoint_bytes(model) -> int:
     the tokenizer and config files."""
     return int(model_bytes(model) * 1.02) + (20 << 20)
 
+
+
+def checkpoint_model_bytes(folder: Path, dtype: str) -> int | None:
+    """The bytes a checkpoint folder's weights take in memory in `dtype`, from its safetensors headers alone
+    (None when it has none)."""
+    from pruner.checkpoints.storage import weight_files, weight_numel
+
+    files = weight_files(folder)
+    return None if not files else weight_numel(files) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def onload_mode(mode: str, folder: Path | None, dtype: str, device: str) -> str:
+    """`all` or `sequential` for a recipe's `capture.onload` (`auto`: sequential when the weights alone would
+    take more than 80% of the device's free memory; a model given in memory (`folder` None) is resident)."""
+    if mode != "auto":
+        return mode
+    if folder is None:
+        return "all"
+    need, free = checkpoint_model_bytes(folder, dtype), available_memory(device)
+    return "sequential" if need is not None and free is not None and need > 0.8 * free else "all"

@@ -1,0 +1,61 @@
+"""The calibration capture, layer by layer (`capture.onload: sequential`): the same sums, one block resident.
+
+`capture_layerwise` runs the same `Capture` -- the same attention function, the same fused kernel, the
+same sums -- over `pruner.core.layerwise`: the inputs of block 0 for every batch are captured once,
+then each block is onloaded, every batch's hidden states go through it (the attention function told
+which batch it sees), the layer's sums move to the host, and the block is offloaded before the next.
+Statistics equal the all-resident pass's (float64 sums of the same float32 products; the tests hold
+them to 1e-10 relative) and so do the plans. What is kept between blocks: the hidden states of every
+calibration window (`storage`: the host by default) and the finished layers' sums.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from pruner.attention.capture import Capture, CaptureConfig
+from pruner.attention.sinks import SinkSpec
+from pruner.attention.sums import HeadStats
+from pruner.core import arch, distributed
+from pruner.core.data import TokenBatch
+from pruner.core.layerwise import Onloader, first_block_calls, run_blocks
+
+
+def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
+                      onloader: Onloader, device: str | torch.device = "cpu", batch_size: int = 8,
+                      progress: bool = False, storage: str | torch.device = "cpu",
+                      on_layer: Callable[[int], None] | None = None) -> HeadStats:
+    """`capture_stats` with one block resident at a time (see the module docstring). `on_layer(layer)` runs
+    while the layer's block is still in memory (what a caller reads off its weights)."""
+    if sinks.mode == "auto" or config.across_layers:
+        raise ValueError("capture.onload: sequential captures pruning's statistics; auto sinks and the model-wide "
+                         "pairs of `analyze` need every layer at once (capture.onload: all)")
+    device = torch.device(device)
+    g = arch.geometry(model)
+    K = config.folds
+    folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
+    mine = distributed.shard(batch)
+    parts = list(mine.batches(batch_size))
+    bar = tqdm(total=g.n_layers, desc="capture (layer by layer)", unit="layer") if progress else None
+    with Capture(model, sinks, tokenizer, config) as cap:
+        views = [cap.forward_batch(b.input_ids.to(device), b.attention_mask.to(device),
+                                   None if folds is None else folds[i * batch_size:(i + 1) * batch_size])
+                 for i, b in enumerate(parts)]
+        calls = first_block_calls(model, [(b.input_ids, b.attention_mask) for b in parts], device, storage)
+
+        def after_layer(layer: int) -> None:
+            cap.use_batch(None)
+            if on_layer is not None:
+                on_layer(layer)
+            if layer in cap.layers:  # only this layer's sums stay where the block computed them
+                cap.layers[layer] = cap.layers[layer].to("cpu")
+
+        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer, bar)
+        for view in views:
+            cap.add_residual(view)
+    if bar is not None:
+        bar.close()
+    return cap.result()

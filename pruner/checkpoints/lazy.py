@@ -1,0 +1,83 @@
+"""A model whose decoder blocks stay on disk until they run: for layer-by-layer passes over models larger than
+memory (`capture.onload: sequential`).
+
+The model is built on the meta device from its config (no weights in memory, buffers such as the rotary
+tables real); everything outside the blocks -- embeddings, final norm, language-model head -- is read at
+once; each block is read from the checkpoint's safetensors when `onload` asks for it (memory-mapped,
+copied in the model's dtype onto the compute device) and released by `offload`. Peak memory is the
+non-block weights and one block, whatever the depth. Every shard is checked whole before anything is
+read (`storage.check_shards`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pruner.checkpoints.storage import CheckpointError, check_shards
+from pruner.core import arch
+
+
+class LazyBlocks:
+    """`pruner.core.layerwise.Onloader` over a checkpoint folder: `model` is ready to run but for its blocks."""
+
+    def __init__(self, folder: str | Path, config, cls, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        from accelerate import init_empty_weights
+
+        self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
+        self.where = check_shards(self.folder)
+        with init_empty_weights(include_buffers=False):
+            self.model = cls.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        self.model.eval()
+        names = {id(m): n for n, m in self.model.named_modules()}
+        self.prefixes = [names[id(b)] + "." for b in arch.blocks(self.model)]
+        self.prefix = self.model.base_model_prefix + "."
+        outside = [k for k in self.model.state_dict() if not any(k.startswith(p) for p in self.prefixes)]
+        self._assign(self.model, {k: self._read(k) for k in outside if self._key(k) is not None})
+        self.model.tie_weights()
+        left = [n for n, p in self.model.named_parameters() if p.device.type == "meta"
+                and not any(n.startswith(p) for p in self.prefixes)]
+        if left:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no weights for {', '.join(left[:3])}")
+
+    def _key(self, name: str) -> str | None:
+        """The checkpoint's name for a model tensor (with or without the base model's prefix)."""
+        for k in (name, self.prefix + name, name.removeprefix(self.prefix)):
+            if k in self.where:
+                return k
+        return None
+
+    def _read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        key = self._key(name)
+        if key is None:
+            raise CheckpointError(f"{self.folder}: no tensor {name} in the checkpoint")
+        with safe_open(str(self.where[key]), framework="pt", device="cpu") as f:
+            t = f.get_tensor(key)
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+    def _assign(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        state = {k: v.to(self.device) for k, v in state.items()}
+        module.load_state_dict(state, strict=False, assign=True)
+
+    def onload(self, layer: int) -> torch.nn.Module:
+        block = arch.blocks(self.model)[layer]
+        prefix = self.prefixes[layer]
+        keys = [prefix + k for k in block.state_dict()]
+        self._assign(block, {k.removeprefix(prefix): self._read(k) for k in keys})
+        return block
+
+    def offload(self, layer: int) -> None:
+        arch.blocks(self.model)[layer].to("meta")
+
+
+def lazy_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> LazyBlocks:
+    """`LazyBlocks` of a vanilla checkpoint folder, its Auto class chosen as `pruner.load` would."""
+    from transformers import AutoConfig
+
+    from pruner.core.runtime import auto_class
+
+    config = AutoConfig.from_pretrained(folder)
+    return LazyBlocks(folder, config, auto_class(config), getattr(torch, dtype), device)

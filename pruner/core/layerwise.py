@@ -1,0 +1,123 @@
+"""Running a model one block at a time (DESIGN section 8.3): the chain h_{l+1} = block_l(h_l), loops swapped.
+
+A decoder's statistics of layer l depend only on h_l, so instead of every window through every block,
+every window goes through one block before the next block is loaded: the inputs of the first block
+are captured once (`first_block_calls`: the model's own embedding, position and mask code runs, and a
+pre-hook on block 0 keeps what it receives and stops the pass), then each block is onloaded, run over
+every call, and offloaded (`run_blocks`). Peak memory is one block, the calls' hidden states and
+whatever a caller accumulates per layer -- not the depth of the model. The masks and position
+embeddings the model built for block 0 are the same for every block, so they are computed once.
+
+Where the blocks come from is the caller's `Onloader`: blocks already in memory moved to the compute
+device and back (`Resident`), or materialised from the checkpoint's safetensors and released
+(`pruner.checkpoints.lazy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from pruner.core import arch
+from pruner.core.runtime import forward
+
+
+class _Stop(Exception):
+    """Raised by the block-0 pre-hook: the pass has given block 0 its inputs; the rest is not needed."""
+
+
+def _move(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_move(v, device) for v in x)
+    if isinstance(x, list):
+        return [_move(v, device) for v in x]
+    if isinstance(x, dict):
+        return {k: _move(v, device) for k, v in x.items()}
+    return x
+
+
+@dataclass
+class BlockCall:
+    """One batch's call of a block: the hidden states (B, T, d_model) and everything else the model passes
+    every block (attention mask, position ids and embeddings, cache flags), kept where `storage` says."""
+
+    hidden: torch.Tensor
+    kwargs: dict
+
+
+class Onloader(Protocol):
+    def onload(self, layer: int) -> torch.nn.Module: ...
+    def offload(self, layer: int) -> None: ...
+
+
+class Resident:
+    """Blocks that stay in memory (on the CPU, say): moved to `device` to run, and back."""
+
+    def __init__(self, model, device: str | torch.device):
+        self.blocks, self.device = arch.blocks(model), torch.device(device)
+        self.home = [next(b.parameters()).device for b in self.blocks]
+
+    def onload(self, layer: int) -> torch.nn.Module:
+        return self.blocks[layer].to(self.device)
+
+    def offload(self, layer: int) -> None:
+        self.blocks[layer].to(self.home[layer])
+
+
+@torch.no_grad()
+def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device,
+                      storage: str | torch.device = "cpu") -> list[BlockCall]:
+    """What block 0 receives for each (input_ids, attention_mask) batch, by running the model's body up to it.
+
+    Only the modules before the first block (embeddings, rotary tables, mask construction) need to be
+    materialised on `device`. The calls are kept on `storage`.
+    """
+    block0 = arch.blocks(model)[0]
+    calls: list[BlockCall] = []
+
+    def hook(module, args, kwargs):
+        kw = dict(kwargs)
+        hidden = args[0] if args else kw.pop("hidden_states")
+        calls.append(BlockCall(hidden.to(storage), _move(kw, storage)))
+        raise _Stop
+
+    handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for ids, mask in batches:
+            try:
+                forward(model.base_model, ids.to(device), mask.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return calls
+
+
+@torch.no_grad()
+def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device,
+               before_call: Callable[[int, int], None] | None = None,
+               after_layer: Callable[[int], None] | None = None, progress=None) -> list[BlockCall]:
+    """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
+
+    `before_call(layer, i)` runs before call i of a layer (a capture sets which batch the attention sees);
+    `after_layer(layer)` after the layer's last call, before it is offloaded. Returns the calls with the
+    last block's output as their hidden states.
+    """
+    for layer in range(n_layers):
+        block = onloader.onload(layer)
+        for i, call in enumerate(calls):
+            if before_call is not None:
+                before_call(layer, i)
+            out = block(call.hidden.to(device), **_move(call.kwargs, device))
+            out = out[0] if isinstance(out, tuple) else out
+            call.hidden = out.to(call.hidden.device)
+        if after_layer is not None:
+            after_layer(layer)
+        onloader.offload(layer)
+        if progress is not None:
+            progress.update(1)
+    return calls

@@ -1,0 +1,144 @@
+"""A session: what every stage of a run shares -- the model (or, layer by layer, its blocks on disk), the tokenizer,
+the calibration samples and the evaluation windows -- built once from a validated recipe and what the caller
+holds in memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pruner.attention.capture import resolve_auto_sinks
+from pruner.attention.sinks import SinkSpec, check_content, default_spec
+from pruner.checkpoints import loading
+from pruner.checkpoints.lazy import lazy_model
+from pruner.core import arch, assets, data, distributed, resume, runtime
+from pruner.evaluation import downstream, tasks
+from pruner.evaluation.perplexity import EvalWindows, masked_lines, sliding_windows
+from pruner.runs import resources
+from pruner.runs.recipe import Recipe
+
+
+@dataclass
+class Session:
+    """What every stage shares: the model, tokenizer and samples, built once.
+
+    `evaluation` (the windows perplexity is measured on) is built on first use, so
+    planning alone never reads the evaluation text.
+    """
+
+    recipe: Recipe
+    model: object
+    tokenizer: object
+    causal: bool
+    sinks: SinkSpec
+    calibration: data.TokenBatch
+    evaluation_texts: list[str] | None = None  # given in memory; otherwise read from recipe.evaluation
+    _evaluation: EvalWindows | None = field(default=None, repr=False)
+    _downstream: downstream.Downstream | None = field(default=None, repr=False)
+    checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
+    onloader: object | None = field(default=None, repr=False)  # capture.onload sequential: the blocks stay on disk
+
+    @property
+    def evaluation(self) -> EvalWindows:
+        if self._evaluation is None:
+            self._evaluation = evaluation_windows(self.recipe, self.model, self.tokenizer, self.causal,
+                                                  self.evaluation_texts)
+        return self._evaluation
+
+    @property
+    def downstream(self) -> downstream.Downstream | None:
+        """The recipe's evaluation.tasks, loaded once (None without tasks)."""
+        ev = self.recipe.evaluation
+        if self._downstream is None and ev.tasks:
+            self._downstream = downstream.Downstream(self.model, self.tokenizer, tasks.spec_from_recipe(ev), self.causal,
+                                                n_boot=max(ev.bootstrap, 1))
+        return self._downstream
+
+
+def _source(spec) -> data.TextSource:
+    return data.TextSource(spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
+
+
+def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
+    """Decoders: strided perplexity windows; encoders: lines with a fixed masking (needs an MLM head)."""
+    ev = recipe.evaluation
+    texts = texts if texts is not None else data.load_texts(_source(ev))
+    if causal:
+        return sliding_windows(tokenizer, texts, ev.length, ev.stride, bos=ev.bos, max_windows=ev.num_samples)
+    if not hasattr(model, "cls"):
+        raise ValueError(f"{recipe.model.path}: masked-token perplexity needs a masked-LM head "
+                         "(set model.mlm_readout: shipped for all-MiniLM-L6-v2)")
+    return masked_lines(tokenizer, texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
+
+
+def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
+            calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
+            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE) -> Session:
+    """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
+
+    `model`/`tokenizer` default to what `recipe.model` names; texts default to the
+    recipe's data sources. With `evaluation`, the evaluation windows are built now,
+    so unusable evaluation text fails before any calibration compute. `checkpoints`:
+    where a resumable run keeps its stages (`pruner.core.resume`).
+    """
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    torch.manual_seed(recipe.seed)
+    m = recipe.model
+    onloader = None
+    if model is None:
+        model, onloader = _load(recipe)
+    arch.adapter_for(model)  # unsupported architecture: fail before any compute
+    tok = tokenizer if tokenizer is not None else loading.load_tokenizer(m.path, m.trust_remote_code)
+    causal = runtime.attends_causally(model)
+    cal = recipe.calibration
+    texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
+    batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
+    s = recipe.sinks
+    spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
+    session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints,
+                      onloader=onloader)
+    if evaluation:
+        session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
+        session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
+    if spec.mode == "auto":
+        session.sinks = resolve_auto_sinks(model, batch, tok, eps=spec.eps, batch_size=cal.batch_size,
+                                           checkpoints=checkpoints)
+    check_content(batch.input_ids, batch.attention_mask, session.sinks, tok)
+    return session
+
+
+def _load(recipe: Recipe):
+    """The recipe's model, and the onloader of its blocks when `capture.onload` resolves to sequential: then the
+    model is built without its blocks' weights, which stay in the checkpoint until calibration reads them."""
+
+    m = recipe.model
+    device = distributed.local_device(m.device)
+    folder = Path(assets.resolve(m.path)) if not m.mlm_readout and not m.device_map else None
+    folder = folder if folder is not None and folder.exists() else None
+    if recipe.capture.onload == "sequential" and folder is None:
+        raise ValueError(f"capture.onload: sequential reads the blocks from a local checkpoint folder; {m.path} is not "
+                         "one (download it first, e.g. `hf download ID --local-dir DIR`, and name the folder)")
+    if resources.onload_mode(recipe.capture.onload, folder, m.dtype, device) == "sequential":
+        lazy = lazy_model(folder, m.dtype, device)
+        return lazy.model, lazy
+    return loading.load_base(m, device=device), None
+
+
+def resident(session: Session) -> None:
+    """The whole model in memory for the stages that run it whole (evaluation, surgery, saving), after a
+    layer-by-layer calibration read its blocks one at a time; refused in one line when it cannot fit."""
+    if session.onloader is None:
+        return
+    m = session.recipe.model
+    device = distributed.local_device(m.device)
+    need = resources.checkpoint_model_bytes(session.onloader.folder, m.dtype)
+    free = resources.available_memory(device)
+    if need is not None and free is not None and need > free:
+        raise resources.ResourceError(
+            f"the plan was made layer by layer, but evaluating, pruning and saving load the whole model "
+            f"({resources.gib(need)} in {m.dtype}), and only {resources.gib(free)} is free on {device}: "
+            "use pruner.plan (Python) for the plan alone, or a machine with more memory")
+    session.model, session.onloader = loading.load_base(m, device=device), None

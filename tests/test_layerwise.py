@@ -1,0 +1,110 @@
+"""Layer-by-layer calibration (`capture.onload: sequential`, DESIGN section 8.3): the same statistics and the same
+plans as the all-resident pass, with one block in memory at a time, read from the checkpoint's safetensors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import ragged_batch, tiny_model
+
+from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.sequential import capture_layerwise
+from pruner.attention.sinks import SinkSpec
+from pruner.checkpoints.lazy import lazy_model
+from pruner.checkpoints.storage import CheckpointError, check_shards
+from pruner.cli import main
+from pruner.core import assets
+from pruner.core.data import TextSource, load_texts, pad, token_windows
+from pruner.core.layerwise import Resident
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8", "--set", "evaluation.bootstrap=20",
+         "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
+
+
+def worst_relative(a, b) -> float:
+    """Largest relative difference over every sum of two HeadStats (per-head fields, pairs, moments, folds)."""
+    out = 0.0
+    pairs = [(getattr(a, f), getattr(b, f)) for f in ("sink_mass", "entropy_full", "entropy_content", "g", "rest",
+                                                       "dormancy", "rows", "content_rows")]
+    pairs += [(a.pairs[k], b.pairs[k]) for k in a.pairs]
+    if a.residual is not None:
+        pairs.append((a.residual, b.residual))
+    for x, y in zip(a.outputs or [], b.outputs or []):
+        pairs += [(x.joint, y.joint), (x.o, y.o), (x.uu, y.uu), (x.ww, y.ww), (x.tokens, y.tokens)]
+    for x, y in zip(a.folds or [], b.folds or []):
+        pairs += [(x.joint, y.joint), (x.tokens, y.tokens)]
+    for x, y in pairs:
+        out = max(out, float((x - y).abs().max() / x.abs().max().clamp_min(1e-300)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert"])
+def test_layer_by_layer_equals_all_resident_on_every_family(family):
+    model = tiny_model(family)
+    batch = pad(ragged_batch(seed=3, n=13, max_len=30), 0)
+    sinks = SinkSpec("first")
+    cfg = CaptureConfig(metrics=("cosine", "js"), outputs=True, folds=3)
+    a = capture_stats(model, batch, sinks, config=cfg, batch_size=4)
+    b = capture_layerwise(model, batch, sinks, None, cfg, Resident(model, "cpu"), batch_size=4)
+    assert worst_relative(a, b) <= 1e-10
+
+
+@pytest.mark.parametrize("name", ["minilm-causal", "gpt2-shakespeare", "llama-shakespeare"])
+def test_blocks_read_from_disk_give_the_same_statistics(name):
+    """The shipped checkpoints, blocks read one at a time from their safetensors: equal sums, and nothing but the
+    non-block weights left in memory afterwards."""
+    from pruner.checkpoints import loading
+
+    tok = loading.load_tokenizer(name)
+    batch = token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 64, num_samples=12)
+    cfg = CaptureConfig(metrics=("cosine",), outputs=True)
+    a = capture_stats(loading.load_model(name), batch, SinkSpec("first"), tok, config=cfg, batch_size=4)
+    lazy = lazy_model(assets.resolve(name))
+    b = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4)
+    assert worst_relative(a, b) <= 1e-10
+    from pruner.core import arch
+
+    assert all(p.device.type == "meta" for block in arch.blocks(lazy.model) for p in block.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["quickstart", "llama-shakespeare"])
+def test_prune_layer_by_layer_writes_the_same_plan(recipe, tmp_path):
+    runs = {}
+    for mode in ("all", "sequential"):
+        out = tmp_path / mode
+        assert main(["prune", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
+                     "--set", f"capture.onload={mode}", "--set", "surgery.mode=mask"] + QUICK) == 0
+        runs[mode] = out
+    assert (runs["all"] / "plan.json").read_text() == (runs["sequential"] / "plan.json").read_text()
+    a, b = (json.loads((runs[m] / "metrics.json").read_text())["evaluation"] for m in ("all", "sequential"))
+    assert a["pruned"] == pytest.approx(b["pruned"], rel=1e-9) and a["base"] == b["base"]
+
+
+def test_a_corrupt_or_truncated_shard_is_named_before_any_work(tmp_path, capsys):
+    folder = tmp_path / "llama"
+    shutil.copytree(assets.resolve("llama-shakespeare"), folder)
+    shard = folder / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* runs past the end of the file .* truncated"):
+        check_shards(folder)
+    shard.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        check_shards(folder)
+    (tmp_path / "r.yaml").write_text(f"model: {{path: {folder}}}\nsinks: {{mode: first}}\ncapture: {{onload: sequential}}\n")
+    assert main(["prune", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "out")] + QUICK) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors: not a readable safetensors file" in err and not (tmp_path / "out").exists()
+
+
+def test_what_needs_the_whole_model_says_so(tmp_path, capsys):
+    assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(tmp_path / "g"),
+                 "--set", "capture.onload=sequential", "--set", "scorer.name=gradient"] + QUICK) == 2
+    assert "the gradient scorer's backward pass needs the whole model at once: capture.onload: all" in \
+        capsys.readouterr().err
