@@ -52,6 +52,14 @@ def main() -> None:
         seq = refit_sequential(model, heads, collect)
         comp = {f"{name}/{kind}/{layer}": v for name, c in (("oneshot", refit), ("sequential", seq))
                 for kind in ("bias", "weight") for layer, v in getattr(c, kind).items()}
+        from pruner.attention.sequential import capture_layerwise
+        from pruner.core.layerwise import Resident
+
+        layered = capture_layerwise(model, batch, SinkSpec("first"), None, CaptureConfig(
+            metrics=("cosine", "js"), outputs=True, folds=3), Resident(model, "cpu"), batch_size=2)
+        stats.update({f"layerwise/outputs/{i}/joint": m.joint for i, m in enumerate(layered.outputs)})
+        stats.update({f"layerwise/folds/{i}/joint": m.joint for i, m in enumerate(layered.folds)})
+        stats["layerwise/sink_mass"] = layered.sink_mass
         out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,
                        "nll": nll, "count": count, "plans": plans, "refit": comp}
     if distributed.is_main():

@@ -38,8 +38,9 @@ from tqdm.auto import tqdm
 
 from pruner.attention import kernel as st
 from pruner.attention import moments, pairs, sums
+from pruner.attention.autosinks import auto_sink_spec
 from pruner.attention.batch import ForwardBatch, valid_keys
-from pruner.attention.sinks import SinkSpec, relative_positions, sink_mask
+from pruner.attention.sinks import SinkSpec, sink_mask
 from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch
 from pruner.core.runtime import forward, input_device
@@ -329,37 +330,23 @@ class Capture:
         """Resolve `auto`: positions and token ids whose mean received attention exceeds eps."""
         if self.sinks.mode != "auto" or not self._received:
             raise ValueError("auto_sinks needs a Capture with SinkSpec('auto') that has run")
-        by_pos: dict[int, list[float]] = {}
-        by_id: dict[int, list[float]] = {}
-        rows = [(rel, ids, mask2d, received, count) for ids, mask2d, received, count in
-                ((i.cpu(), m.cpu(), r.cpu(), c.cpu()) for i, m, r, c in self._received)
-                for rel in [relative_positions(mask2d)]]
-        for part in distributed.all_objects(rows):  # every process's batches, in rank order
-            for rel, ids, mask2d, received, count in part:
-                for key, table in ((rel, by_pos), (ids, by_id)):
-                    for k, r, c in zip(key[mask2d.bool()].tolist(), received[mask2d.bool()].tolist(),
-                                       count[mask2d.bool()].tolist()):
-                        acc = table.setdefault(k, [0.0, 0.0])
-                        acc[0], acc[1] = acc[0] + r, acc[1] + c
-        pick = lambda t: tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > self.sinks.eps))  # noqa: E731
-        positions, ids = pick(by_pos), pick(by_id)
-        if not positions and not ids:
-            raise ValueError(f"no key receives more than eps={self.sinks.eps} of the attention on average: "
-                             "no data-driven sink; choose a sink mode explicitly")
-        if positions:
-            return SinkSpec("positions", positions=positions, ids=ids, eps=self.sinks.eps)
-        return SinkSpec("ids", ids=ids, eps=self.sinks.eps)
+        return auto_sink_spec(self._received, self.sinks.eps)
 
     def result(self) -> sums.HeadStats:
-        """Finalised statistics; with several processes, of all their samples (sums added in rank order)."""
-        layers, residual, tokens = {}, None, 0
-        for part_layers, part_residual, part_tokens in distributed.all_objects(
-                ({i: s.to("cpu") for i, s in self.layers.items()}, self._residual, self._tokens)):
-            for i, s in part_layers.items():
-                layers[i] = s if i not in layers else layers[i] + s
-            if part_residual is not None:
-                residual = part_residual if residual is None else residual + part_residual
-            tokens += part_tokens
+        """Finalised statistics; with several processes, of all their samples (each layer's sums reduced with
+        tensor collectives, added in rank order: `distributed.reduce_tree`)."""
+        have = distributed.all_objects(sorted(self.layers))
+        if any(h != have[0] for h in have):  # a process without samples: the others' layers, merged as objects
+            layers = {}
+            for part in distributed.all_objects({i: s.to("cpu") for i, s in self.layers.items()}):
+                for i, s in part.items():
+                    layers[i] = s if i not in layers else layers[i] + s
+        else:
+            layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
+        residual, tokens = self._residual, self._tokens
+        if self.config.outputs and residual is not None:
+            both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))
+            residual, tokens = both[:-1], float(both[-1])
         if not layers:
             raise ValueError("nothing captured: run at least one batch")
         stats = sums.finalize([layers[i] for i in sorted(layers)])

@@ -14,6 +14,7 @@ the environment) the process group is created on first use, with gloo on CPU.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 
 import torch
@@ -109,3 +110,57 @@ def all_objects(x) -> list:
     parts = [None] * world_size()
     dist.all_gather_object(parts, x)
     return parts
+
+
+def leaves(x) -> list[torch.Tensor]:
+    """The tensors of a tree of dataclasses, dicts (sorted keys), lists and tuples, in a fixed order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if dataclasses.is_dataclass(x):
+        return [t for f in dataclasses.fields(x) for t in leaves(getattr(x, f.name))]
+    if isinstance(x, dict):
+        return [t for k in sorted(x) for t in leaves(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in leaves(v)]
+    return []
+
+
+def with_leaves(x, values: list[torch.Tensor]):
+    """`x` with its tensors (in `leaves` order) replaced by `values` (consumed from the front)."""
+    if isinstance(x, torch.Tensor):
+        return values.pop(0)
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: with_leaves(getattr(x, f.name), values) for f in dataclasses.fields(x)
+                                         if f.init})
+    if isinstance(x, dict):
+        return {k: with_leaves(x[k], values) for k in sorted(x)}
+    if isinstance(x, (list, tuple)):
+        return type(x)(with_leaves(v, values) for v in x)
+    return x
+
+
+def reduce_tree(x):
+    """Sum a tree of float64 sums (a layer's `LayerStats`, say) over processes with tensor collectives.
+
+    Flattened into one float64 buffer; rank 0 receives the others' buffers one at a time and adds them
+    in rank order (the same order, and so the same rounding, as `sum_in_rank_order`), then broadcasts
+    the total. Each process holds its own buffer and the total -- never world-size copies -- so memory
+    per process does not grow with the number of processes, and nothing is pickled.
+    """
+    if world_size() == 1:
+        return x
+    parts = leaves(x)
+    buf = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in parts])
+    if rank() == 0:
+        incoming = torch.empty_like(buf)
+        for r in range(1, world_size()):
+            dist.recv(incoming, src=r)
+            buf += incoming
+    else:
+        dist.send(buf, dst=0)
+    dist.broadcast(buf, src=0)
+    out, i = [], 0
+    for t in parts:
+        out.append(buf[i:i + t.numel()].view(t.shape).to(t.dtype))
+        i += t.numel()
+    return with_leaves(x, out)
