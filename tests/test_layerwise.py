@@ -108,3 +108,28 @@ def test_what_needs_the_whole_model_says_so(tmp_path, capsys):
                  "--set", "capture.onload=sequential", "--set", "scorer.name=gradient"] + QUICK) == 2
     assert "the gradient scorer's backward pass needs the whole model at once: capture.onload: all" in \
         capsys.readouterr().err
+
+
+def test_plan_memory_from_a_config_alone(tmp_path, capsys):
+    """`pruner plan-memory`: Llama-3.3-70B's public config, no weights: the parts are the geometry's arithmetic."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+           "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    (tmp_path / "llama70").mkdir()
+    (tmp_path / "llama70" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "r.yaml").write_text(f"model: {{path: {tmp_path / 'llama70'}, dtype: bfloat16}}\n"
+                                     "calibration: {length: 2048, num_samples: 128, batch_size: 4}\n"
+                                     "surgery: {ridge: 0.1}\n")
+    assert main(["plan-memory", str(tmp_path / "r.yaml")]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line.split("|")[4].strip().strip("*")
+            for line in out.splitlines() if line.startswith("| ")}
+    gib = lambda text: float(text.split()[0])  # noqa: E731
+    block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2 / 2**30
+    assert gib(rows[("sequential", "device", "one block")]) == pytest.approx(block, abs=0.05)
+    assert gib(rows[("sequential", "device", "weights outside the blocks")]) == pytest.approx(
+        (2 * 128256 * 8192 + 8192) * 2 / 2**30, abs=0.05)
+    joint = 80 * 8192 ** 2 * 8 / 2**30  # the joint second moment of every layer, float64: most of the sums
+    assert joint < gib(rows[("sequential", "host", "finished sums")]) < 1.05 * joint
+    assert gib(rows[("all", "device", "weights")]) == pytest.approx(131.4, abs=0.1)

@@ -146,7 +146,7 @@ def available_memory(device: str | torch.device = "cpu") -> int | None:
     """Bytes free for this process now: free CUDA memory, or available RAM within any cgroup limit."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None  # planning elsewhere
     if device.type != "cpu":
         return None  # other accelerators: not checked
     free = []
