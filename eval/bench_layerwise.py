@@ -1,0 +1,164 @@
+"""Layer-by-layer calibration at real sizes on this machine (issue 24): random weights from public configs,
+written as sharded safetensors without ever holding the model in memory, calibrated from disk one block
+at a time.
+
+    python eval/bench_layerwise.py 8b --windows 4 --length 256          # Llama-3-8B shape: peak RSS and time
+    python eval/bench_layerwise.py 70b-width --layers 2 --windows 2 --length 256  # per layer vs the model
+
+Each case runs in a fresh process: `calibrate` reads the checkpoint lazily (`pruner.checkpoints.lazy`), and
+the same blocks are also run once without the capture (the plain layer-by-layer forward of the same windows,
+SDPA), so the calibration's cost is the ratio of the two. Memory is the process's peak resident set (VmHWM)
+against the model's size on disk and against the memory model (`pruner.runs.memory_plan`, sequential, CPU:
+device and host one memory). `--ridge` fixed (default 0.1) keeps the fold moments of ridge auto out, as the
+memory model says they would not fit at 70B. Writes eval/results/bench_layerwise-<case>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               bos_token_id=128000, eos_token_id=128001),
+    "70b-width": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
+}
+
+
+def write_checkpoint(name: str, layers: int | None, folder: Path) -> Path:
+    """config.json + one safetensors shard per block (and one for the rest), seeded normal(0, 0.02) bfloat16
+    weights, norms 1: never more than one block in memory."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    fields = dict(CONFIGS[name])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, torch_dtype="bfloat16")
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    groups: dict[str, dict[str, tuple]] = {}
+    for key, p in meta.state_dict().items():
+        part = key.split(".")[2] if key.startswith("model.layers.") else "rest"
+        groups.setdefault(part, {})[key] = tuple(p.shape)
+    weight_map = {}
+    for part, tensors in groups.items():
+        shard = f"model-{part}.safetensors"
+        data = {}
+        for key, shape in tensors.items():
+            t = torch.empty(shape, dtype=torch.bfloat16)
+            t.normal_(0, 0.02, generator=g) if len(shape) >= 2 else t.fill_(1.0)
+            data[key] = t
+            weight_map[key] = shard
+        save_file(data, str(folder / shard), metadata={"format": "pt"})
+        del data
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config.save_pretrained(folder)
+    return folder
+
+
+def _peak() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def case(folder: Path, windows: int, length: int, ridge: float, threads: int) -> dict:
+    """In this process: plain layer-by-layer forward, then the layer-by-layer calibration, from disk."""
+    from pruner.attention.capture import CaptureConfig
+    from pruner.attention.sinks import SinkSpec
+    from pruner.checkpoints.lazy import lazy_model
+    from pruner.core import arch
+    from pruner.core.data import TokenBatch
+    from pruner.core.layerwise import first_block_calls, run_blocks
+    from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.runs import memory_plan
+    from pruner.runs.resources import Sizes, model_bytes
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    lazy = lazy_model(folder, "bfloat16")
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(3, lazy.model.config.vocab_size, (windows, length), generator=torch.Generator().manual_seed(0))
+    batch = TokenBatch(ids, torch.ones_like(ids))
+    g = arch.geometry(lazy.model)
+    t0 = time.perf_counter()
+    calls = first_block_calls(lazy.model, [(b.input_ids, b.attention_mask) for b in batch.batches(4)], "cpu")
+    run_blocks(lazy, calls, g.n_layers, "cpu")
+    plain_s = time.perf_counter() - t0
+    peak_plain = _peak()
+    t0 = time.perf_counter()
+    cfg = CaptureConfig(metrics=("cosine",), outputs=True)
+    calibrate_layerwise(lazy.model, batch, SinkSpec("first"), None, cfg, lazy, batch_size=4, ridge=ridge)
+    cal_s = time.perf_counter() - t0
+    sizes = Sizes(batch_size=min(4, windows), length=length, pair_metrics=1, outputs=True)
+    plan = memory_plan.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
+    disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return {"layers": g.n_layers, "windows": windows, "length": length, "threads": threads,
+            "model_bytes_on_disk": disk, "resident_weights": model_bytes(lazy.model), "load_s": load_s,
+            "plain_s": plain_s, "calibrate_s": cal_s, "calibrate_over_plain": cal_s / plain_s,
+            "peak_rss_plain": peak_plain, "peak_rss": _peak(), "predicted_peak": plan.total,
+            "predicted_parts": {**{f"device/{k}": v for k, v in plan.device.parts.items()},
+                                **{f"host/{k}": v for k, v in plan.host.parts.items()}}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=sorted(CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to this many blocks")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--ridge", type=float, default=0.1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:  # the child: one measurement, JSON on stdout
+        print(json.dumps(case(Path(args.case), args.windows, args.length, args.ridge, args.threads)))
+        return
+    folder = Path(args.work) / f"{args.model}-{args.layers or 'all'}"
+    t0 = time.time()
+    write_checkpoint(args.model, args.layers, folder)
+    print(f"checkpoint {folder}: {sum(f.stat().st_size for f in folder.glob('*.safetensors')) / 2**30:.1f} GiB "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    cmd = [sys.executable, __file__, args.model, "--case", str(folder), "--windows", str(args.windows),
+           "--length", str(args.length), "--ridge", str(args.ridge), "--threads", str(args.threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    gb = lambda n: n / 2**30  # noqa: E731
+    print(f"{args.model} ({r['layers']} layers), {r['windows']} windows x {r['length']} tokens, {r['threads']} threads")
+    print(f"  model on disk {gb(r['model_bytes_on_disk']):.2f} GiB; resident outside the blocks "
+          f"{gb(r['resident_weights']):.2f} GiB")
+    print(f"  plain layer-by-layer forward {r['plain_s']:.1f} s, calibration {r['calibrate_s']:.1f} s "
+          f"({r['calibrate_over_plain']:.2f}x)")
+    print(f"  peak RSS {gb(r['peak_rss']):.2f} GiB ({r['peak_rss'] / r['model_bytes_on_disk']:.0%} of the model); "
+          f"memory model {gb(r['predicted_peak']):.2f} GiB (measured / predicted {r['peak_rss'] / r['predicted_peak']:.2f})")
+    out = ROOT / "eval" / "results" / f"bench_layerwise-{args.model}{'-' + str(args.layers) if args.layers else ''}.json"
+    out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
