@@ -453,3 +453,20 @@ def test_too_few_calibration_tokens_per_channel_is_a_warning_that_says_how_many(
     assert refit.token_advice(3840, 384) is None
     advice = refit.token_advice(2048, 384)
     assert "384 output-projection channels" in advice and "3,840 or more" in advice and "num_samples" in advice
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("intercept", [True, False])
+def test_marginal_costs_from_one_inverse_equal_a_fresh_inverse_per_candidate(intercept):
+    """The refit-aware scorer's bordered-inverse update: E(P + h) - E(P) for every candidate equals the Schur
+    energy of each enlarged set computed afresh (1e-9)."""
+    x, w = samples(), weight()
+    mu, s = refit.second_moment(*sums(x), intercept)
+    sys = refit.system(w.t() @ w, mu if intercept else None, s, 1e-3)
+    for pruned_heads in ([], [1], [0, 3]):
+        pruned = channels(pruned_heads)
+        cands = [h for h in range(H) if h not in pruned_heads]
+        got = refit.marginal_costs(sys, pruned, [torch.arange(h * HD, (h + 1) * HD) for h in cands])
+        for h, g in zip(cands, got):
+            want = sys.unexplained(pruned | channels([h])) - sys.unexplained(pruned)
+            assert g == pytest.approx(max(want, 0.0), rel=1e-9, abs=1e-12)

@@ -176,6 +176,36 @@ class System:
         return max(float((self.gram[P][:, P] * schur).sum()), 0.0)
 
 
+def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[float]:
+    """E(P + h) - E(P) for every candidate block h of channels (each a (d,) index tensor), from one inverse.
+
+    With Q = (S + lam I)^-1, A = Q_PP and its inverse computed once, adding h makes the bordered matrix
+    [[A, B], [B^T, C]] (B = Q_Ph, C = Q_hh), whose inverse is A^-1 corrected by the d x d Schur complement
+    Z = C - V^T B, V = A^-1 B. With G = W^T W:
+    E(P + h) - E(P) = tr((V^T G_PP V - 2 V^T G_Ph + G_hh) Z^-1) - lam tr(G_hh):
+    |P|^2 d per candidate, where a fresh inverse of each enlarged set costs (|P| + d)^3.
+    """
+    if sys.error:
+        raise RefitError(sys.error)
+    if sys.precision is None:
+        return [0.0] * len(blocks)
+    Q, G = sys.precision, sys.gram
+    P = pruned.nonzero().flatten()
+    a_inv = torch.linalg.inv(Q[P][:, P]) if len(P) else None
+    out = []
+    for h in blocks:
+        C, g_hh = Q[h][:, h], G[h][:, h]
+        if a_inv is None:
+            core, Z = g_hh, C
+        else:
+            B = Q[P][:, h]
+            V = a_inv @ B  # (|P|, d)
+            core = V.t() @ G[P][:, P] @ V - 2 * V.t() @ G[P][:, h] + g_hh
+            Z = C - B.t() @ V
+        out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
+    return out
+
+
 def system(w_gram: Tensor, mu: Tensor | None, s: Tensor, ridge: float, layer: int = 0) -> System:
     """The layer's `System` from W^T W (D, D), and mu / S as `fit_layer` takes them."""
     if silent(mu, s):

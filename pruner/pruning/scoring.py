@@ -172,18 +172,18 @@ def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
     """Marginal refit cost of pruning each alive head next: E_l(P_l + h) - E_l(P_l). (layer, head)
 
     E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
-    heads already pruned; pruned heads get 0.
+    heads already pruned; pruned heads get 0. Bordered-inverse updates (`refit.marginal_costs`): one
+    inverse of the pruned set per layer and step, a d x d Schur complement per candidate.
     """
     L, H = alive.shape
     out = torch.zeros(L, H, dtype=torch.float64)
     for layer, sys in enumerate(inputs.refit_systems()):
         d = sys.gram.shape[0] // H
         pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
-        base = sys.unexplained(pruned)
-        for h in alive[layer].nonzero().flatten().tolist():
-            with_h = pruned.clone()
-            with_h[h * d:(h + 1) * d] = True
-            out[layer, h] = sys.unexplained(with_h) - base
+        heads = alive[layer].nonzero().flatten().tolist()
+        costs = refit.marginal_costs(sys, pruned, [torch.arange(h * d, (h + 1) * d) for h in heads])
+        for h, c in zip(heads, costs):
+            out[layer, h] = c
     return out
 
 
