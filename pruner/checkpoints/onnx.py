@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pruner.checkpoints import saving
+
 INSTALL = 'pip install "pruner[onnx]"  (onnxruntime-genai, onnx-ir, onnxscript)'
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 PROMPT_TOKENS = 8
@@ -83,13 +85,7 @@ def genai_greedy(folder: Path, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) 
 
 def torch_greedy(model, ids: torch.Tensor, new_tokens: int = NEW_TOKENS) -> list[int]:
     """Greedy tokens (prompt included) from transformers' `generate` with its KV cache."""
-    pad = model.generation_config.pad_token_id
-    pad = pad if pad is not None else (model.config.eos_token_id or 0)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
-                             pad_token_id=pad if isinstance(pad, int) else pad[0])
-    return out[0].tolist()
+    return saving.greedy(model, ids, new_tokens)[0].tolist()
 
 
 def check(folder: Path, reference) -> list[int]:

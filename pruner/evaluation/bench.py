@@ -279,12 +279,17 @@ def compare(base, pruned, plan: Schedule, rb: Timings, rp: Timings, checkpoint_d
         figs.append(Figure(f"peak memory ({what})", "MB", mb / 1e6, mp / 1e6, saving(mb, mp),
                            saving(resident_bytes(sb, tokens), resident_bytes(sp, tokens)), "weights + KV cache",
                            None, len(rb.memory)))
-    g = arch.geometry(base)
-    heads = {"pruned": sum(sb.q_heads) - sum(sp.q_heads), "total": sum(sb.q_heads),
-             "kv_removed": sum(sb.kv_heads) - sum(sp.kv_heads), "kv_total": sum(sb.kv_heads),
-             "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads), "group_size": g.group_size,
+    heads = {**heads_record(base, sb, sp),
              "compensation_params": module_params(pruned) - sp.params}  # biases mean compensation adds
     return BenchResult(figs, heads, conditions or {})
+
+
+def heads_record(base, sb, sp) -> dict:
+    """BenchResult's `heads`: query and KV heads removed of all, and the pruned model's per-layer counts."""
+    return {"pruned": sum(sb.q_heads) - sum(sp.q_heads), "total": sum(sb.q_heads),
+            "kv_removed": sum(sb.kv_heads) - sum(sp.kv_heads), "kv_total": sum(sb.kv_heads),
+            "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads),
+            "group_size": arch.geometry(base).group_size}
 
 
 def conditions(model, cfg: BenchConfig, plan: Schedule, load_before: tuple[float, ...]) -> dict:

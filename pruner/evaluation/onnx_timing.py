@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pruner.core import environment
-from pruner.evaluation.bench import BenchResult, Figure, timed
+from pruner.evaluation.bench import BenchResult, Figure, heads_record, timed
 from pruner.evaluation.ideal import decode_bytes, prefill_flops, resident_bytes, saving, shape_of
 from pruner.evaluation.timing import BenchConfig, Timings
 
@@ -104,7 +104,6 @@ def compare(base, pruned, folders: dict[str, Path], cfg: BenchConfig, runs: dict
             itemsize: int) -> BenchResult:
     """The figures of the pruned GenAI model against the base's, each next to its ideal (the PyTorch models'
     geometry; `itemsize`: bytes per weight in the ONNX files)."""
-    from pruner.core import arch
     from pruner.pruning import surgery
 
     sb = shape_of(base)
@@ -129,10 +128,7 @@ def compare(base, pruned, folders: dict[str, Path], cfg: BenchConfig, runs: dict
     figs.append(Figure(f"peak memory (batch {b}, prompt {p})", "MB", mb / 1e6, mp / 1e6, saving(mb, mp),
                        saving(resident_bytes(wb, tokens), resident_bytes(wp, tokens)), "weights + KV cache",
                        None, len(rb.memory)))
-    g = arch.geometry(base)
-    heads = {"pruned": sum(sb.q_heads) - sum(sp.q_heads), "total": sum(sb.q_heads),
-             "kv_removed": sum(sb.kv_heads) - sum(sp.kv_heads), "kv_total": sum(sb.kv_heads),
-             "per_layer": list(sp.q_heads), "kv_per_layer": list(sp.kv_heads), "group_size": g.group_size}
+    heads = heads_record(base, sb, sp)
     conditions = {"runtime": "onnxruntime-genai", "device": "cpu", "dtype": {4: "float32", 2: "float16"}[itemsize],
                   "repeats": cfg.repeats, "new_tokens": cfg.new_tokens, "lengths": list(cfg.lengths),
                   "decode": [list(c) for c in cfg.decode], **environment.versions(), **environment.machine()}

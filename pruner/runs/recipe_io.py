@@ -13,14 +13,20 @@ from pydantic import ValidationError
 from pruner.runs.recipe import Recipe, RecipeError, error_message
 
 
-def _set(tree: dict, dotted: str, raw: str) -> None:
-    """Apply one `key.path=value` override (value parsed as YAML)."""
-    keys = dotted.split(".")
+def _section(tree: dict, keys: list[str], context: str = "") -> dict:
+    """The section of `tree` that holds the last of `keys` (created as needed); a scalar on the way is an error."""
     node = tree
     for i, k in enumerate(keys[:-1]):
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise RecipeError(f"--set {dotted}: {'.'.join(keys[:i + 1])} is not a section")
+            raise RecipeError(f"{context}{'.'.join(keys[:i + 1])} is not a section")
+    return node
+
+
+def _set(tree: dict, dotted: str, raw: str) -> None:
+    """Apply one `key.path=value` override (value parsed as YAML)."""
+    keys = dotted.split(".")
+    node = _section(tree, keys, f"--set {dotted}: ")
     try:
         node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError:  # not YAML (e.g. `@name`): the text itself
@@ -88,12 +94,7 @@ def _apply_values(tree: dict, values: dict[str, Any]) -> None:
             continue
         _check_key(path)
         keys = path.split(".")
-        node = tree
-        for i, k in enumerate(keys[:-1]):
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise RecipeError(f"{'.'.join(keys[:i + 1])} is not a section")
-        node[keys[-1]] = value
+        _section(tree, keys)[keys[-1]] = value
 
 
 def build_recipe(source: "str | Path | dict | Recipe | None" = None, values: dict[str, Any] | None = None,
