@@ -82,6 +82,11 @@ def _peak() -> int:
     return 0
 
 
+def _materialised(model) -> int:
+    """Bytes of the weights that are in memory (the blocks stay on the meta device until onloaded)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+
+
 def case(folder: Path, windows: int, length: int, ridge: float, threads: int) -> dict:
     """In this process: plain layer-by-layer forward, then the layer-by-layer calibration, from disk."""
     from pruner.attention.capture import CaptureConfig
@@ -92,7 +97,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     from pruner.core.layerwise import first_block_calls, run_blocks
     from pruner.pruning.layerwise import calibrate_layerwise
     from pruner.runs import memory_plan
-    from pruner.runs.resources import Sizes, model_bytes
+    from pruner.runs.resources import Sizes
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -114,7 +119,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     plan = memory_plan.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
     disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return {"layers": g.n_layers, "windows": windows, "length": length, "threads": threads,
-            "model_bytes_on_disk": disk, "resident_weights": model_bytes(lazy.model), "load_s": load_s,
+            "model_bytes_on_disk": disk, "resident_weights": _materialised(lazy.model), "load_s": load_s,
             "plain_s": plain_s, "calibrate_s": cal_s, "calibrate_over_plain": cal_s / plain_s,
             "peak_rss_plain": peak_plain, "peak_rss": _peak(), "predicted_peak": plan.total,
             "predicted_parts": {**{f"device/{k}": v for k, v in plan.device.parts.items()},

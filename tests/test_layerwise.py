@@ -132,4 +132,5 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
         (2 * 128256 * 8192 + 8192) * 2 / 2**30, abs=0.05)
     joint = 80 * 8192 ** 2 * 8 / 2**30  # the joint second moment of every layer, float64: most of the sums
     assert joint < gib(rows[("sequential", "host", "finished sums")]) < 1.05 * joint
+    assert gib(rows[("sequential", "host", "W_O^T W_O of every layer")]) == pytest.approx(joint / 2, abs=0.05)  # float32
     assert gib(rows[("all", "device", "weights")]) == pytest.approx(131.4, abs=0.1)

@@ -33,16 +33,16 @@ def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, co
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
     g = arch.geometry(model)
-    grams, norms = [None] * g.n_layers, [None] * g.n_layers
+    grams, norms = None, [None] * g.n_layers  # grams: (layer, H*d_head, H*d_head) float32, filled in place
     intercept = [False] * g.n_layers
 
     def on_layer(layer: int) -> None:
-        grams[layer], norms[layer] = layer_gram(model, layer), weight_norm(model, layer)
+        nonlocal grams
+        grams, norms[layer] = layer_gram(model, layer, grams), weight_norm(model, layer)
         intercept[layer] = arch.o_bias(model, layer) is not None
 
     stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
                               on_layer=on_layer)
-    grams_t = torch.stack(grams)
-    return ScoringInputs(stats=stats, gram=diagonal_blocks(grams_t, g), weight_norm=torch.stack(norms), seed=seed,
-                         cross=cross_energy(stats.outputs, grams_t), layer_gram=grams_t, intercept=tuple(intercept),
+    return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, g), weight_norm=torch.stack(norms), seed=seed,
+                         cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=tuple(intercept),
                          ridge=PRICING_RIDGE if ridge == "auto" else ridge)

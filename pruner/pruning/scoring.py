@@ -33,7 +33,7 @@ class ScoringInputs:
     ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
-    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head): W_O^T W_O of each whole projection
+    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head) float32: W_O^T W_O of each whole projection
     intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
     ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
     costs: dict = field(default_factory=dict)  # what the measured scorers' extra passes cost ({"ablation": ...})
@@ -106,7 +106,7 @@ def cross_energy(outputs: list, o_gram: Tensor) -> Tensor:
         mean = (m.o / m.tokens).reshape(-1)
         cov = m.joint / m.tokens - torch.outer(mean, mean)  # (D, D), D = H * d_head
         H = m.o.shape[0]
-        prod = (gram * cov).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
+        prod = (gram.double() * cov).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
         out.append(prod.sum(dim=(1, 3)))
     return torch.stack(out)
 

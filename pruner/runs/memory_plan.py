@@ -4,11 +4,12 @@
 
 - `all` (the whole model resident on the device): the device holds the weights, every layer's sums
   (twice: the total and the batch being added) and one batch's activations; the host holds the
-  finished sums (float64) and, when the device is a GPU, the weights while `from_pretrained` loads them;
+  finished sums (float64), every layer's W_O^T W_O (float32, `pruner.pruning.calibrate.layer_grams`) and,
+  when the device is a GPU, the weights while `from_pretrained` loads them;
 - `sequential` (one block at a time, `pruner.core.layerwise`): the device holds the weights outside
   the blocks (embeddings, final norm, LM head), one block, one layer's sums and one batch's
   activations; the host holds every calibration window's hidden states (plus the batch being
-  replaced) and the finished layers' sums.
+  replaced), the finished layers' sums and their W_O^T W_O.
 
 On a CPU run device and host are one memory: `total` is their sum. `pruner plan-memory RECIPE` prints
 both modes for any model from its config.json alone (built on the meta device: no weight is read or
@@ -50,9 +51,11 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     parts, g = est.parts, arch.geometry(model)
     work = parts.get("activations", 0) + parts.get("capture", 0)
     sums = statistics_bytes(model, sizes) // 2  # the finished sums (the estimate counts them twice)
+    grams = g.n_layers * (g.n_heads * g.head_dim) ** 2 * 4  # W_O^T W_O per layer, float32
     if onload == "all":
         dev = Estimate({"weights": parts["model"], "sums (total + batch)": parts["statistics"], "one batch": work})
-        host = Estimate({"finished sums": sums, **({} if cpu else {"weights while loading": parts["model"]})})
+        host = Estimate({"finished sums": sums, "W_O^T W_O of every layer": grams,
+                         **({} if cpu else {"weights while loading": parts["model"]})})
         return MemoryPlan(onload, dev, host, cpu)
     one = block_bytes(model)
     d_model = arch.o_weight_cols(model, 0).shape[0]
@@ -60,7 +63,8 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     hidden = (samples + sizes.batch_size) * sizes.length * d_model * act
     dev = Estimate({"weights outside the blocks": parts["model"] - g.n_layers * one, "one block": one,
                     "one layer's sums (total + batch)": 2 * sums // g.n_layers, "one batch": work})
-    host = Estimate({"hidden states of every window": hidden, "finished sums": sums})
+    host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
+                     "W_O^T W_O of every layer": grams})
     return MemoryPlan(onload, dev, host, cpu)
 
 
@@ -85,6 +89,6 @@ def render(plans: list[MemoryPlan], device: str, chosen: str) -> str:
             rows.append([p.onload, "device + host (one memory on the CPU)", "**peak**", f"**{gib(p.total)}**"])
     free = available_memory(device)
     note = (f"free now on {device}: {gib(free)}; capture.onload: auto picks `{chosen}` here" if free is not None
-            else f"{device} is not on this machine: capture.onload: auto decides where the run runs (`{chosen}` "
-                 "only if set)")
+            else f"{device} is not on this machine: capture.onload: auto decides on the machine that runs it"
+            + (f" (`{chosen}` is set)" if chosen in ("all", "sequential") else ""))
     return markdown_table(["onload", "where", "part", "bytes"], rows) + "\n\n" + note
