@@ -7,8 +7,8 @@
   finished sums (float64), every layer's W_O^T W_O (float32, `pruner.pruning.calibrate.layer_grams`) and,
   when the device is a GPU, the weights while `from_pretrained` loads them;
 - `sequential` (one block at a time, `pruner.core.layerwise`): the device holds the weights outside
-  the blocks (embeddings, final norm, LM head), one block, one layer's sums and one batch's
-  activations; the host holds every calibration window's hidden states (plus the batch being
+  the blocks (embeddings, final norm, LM head), one block, one layer's sums (on a CPU only the batch's
+  copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
   replaced), the finished layers' sums and their W_O^T W_O.
 
 On a CPU run device and host are one memory: `total` is their sum. `pruner plan-memory RECIPE` prints
@@ -61,8 +61,11 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
     hidden = (samples + sizes.batch_size) * sizes.length * d_model * act
+    # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
+    layer_sums = {"one layer's batch sums": sums // g.n_layers} if cpu else \
+        {"one layer's sums (total + batch)": 2 * sums // g.n_layers}
     dev = Estimate({"weights outside the blocks": parts["model"] - g.n_layers * one, "one block": one,
-                    "one layer's sums (total + batch)": 2 * sums // g.n_layers, "one batch": work})
+                    **layer_sums, "one batch": work})
     host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
                      "W_O^T W_O of every layer": grams})
     return MemoryPlan(onload, dev, host, cpu)
