@@ -264,7 +264,11 @@ CASES = [
      + ["--out", e / "interrupted" / "run", "--resume"], 2,
      r"cannot resume from .*\.run\.partial: the interrupted run had a different setup \(recipe.selection.target: "
      r"0.25 -> 0.5\); rerun its own command with --resume, or start over with --overwrite"),
-    ("not enough memory (512 KiB free)", lambda e: _recipe(e, "calibration.batch_size=4"), 2,
+    ("model larger than free memory (512 KiB)", lambda e: _recipe(e), 2,
+     r"the plan is made layer by layer, but evaluating, pruning and saving load the whole model \(620 KiB in "
+     r"float32\), and only 512 KiB is free on cpu: use pruner.plan \(Python\) for the plan alone, or a machine "
+     r"with more memory"),
+    ("not enough memory (512 KiB free)", lambda e: _recipe(e, "calibration.batch_size=4", "capture.onload=all"), 2,
      r"not enough memory for calibration: its peak is about [\d.]+ \w+ \(model .*\), and only 512 KiB is free on cpu "
      r"beyond the loaded model; lower calibration.batch_size: \d+ \(about [\d.]+ \w+\) or model.dtype: bfloat16"),
     ("not enough disk (1 MiB free)", lambda e: _recipe(e), 2,
@@ -309,6 +313,8 @@ PATCHES = {  # case name -> what it runs under
     "tasks without lm-evaluation-harness installed": lambda e: _without_harness(),
     "not enough memory (512 KiB free)": lambda e: mock.patch("pruner.runs.resources.available_memory",
                                                               lambda device: 512 << 10),
+    "model larger than free memory (512 KiB)": lambda e: mock.patch("pruner.runs.resources.available_memory",
+                                                                     lambda device: 512 << 10),
     "not enough disk (1 MiB free)": lambda e: mock.patch("pruner.runs.resources.free_disk", lambda folder: 1 << 20),
     "disk full while saving": lambda e: mock.patch("pruner.runs.folders.save_checkpoint", _no_room),
     "Hub error that echoes the token": lambda e: _patches(

@@ -100,6 +100,8 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
     session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints,
                       onloader=onloader)
+    if evaluation and onloader is not None:  # the later stages need the whole model: refused before any compute
+        _check_whole_model_fits(m, onloader.folder)
     if evaluation:
         session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
         session.downstream  # noqa: B018 - and unknown tasks, a missing extra or an unreachable dataset
@@ -133,12 +135,17 @@ def resident(session: Session) -> None:
     if session.onloader is None:
         return
     m = session.recipe.model
+    _check_whole_model_fits(m, session.onloader.folder)
+    session.model, session.onloader = loading.load_base(m, device=distributed.local_device(m.device)), None
+
+
+def _check_whole_model_fits(m, folder: Path) -> None:
+    """Refuse in one line when the whole model will not fit where the later stages need it resident."""
     device = distributed.local_device(m.device)
-    need = resources.checkpoint_model_bytes(session.onloader.folder, m.dtype)
+    need = resources.checkpoint_model_bytes(folder, m.dtype)
     free = resources.available_memory(device)
     if need is not None and free is not None and need > free:
         raise resources.ResourceError(
-            f"the plan was made layer by layer, but evaluating, pruning and saving load the whole model "
+            f"the plan is made layer by layer, but evaluating, pruning and saving load the whole model "
             f"({resources.gib(need)} in {m.dtype}), and only {resources.gib(free)} is free on {device}: "
             "use pruner.plan (Python) for the plan alone, or a machine with more memory")
-    session.model, session.onloader = loading.load_base(m, device=device), None
