@@ -1,6 +1,6 @@
 """Issue 26's tables and target checks from eval/run_domain_evidence.sh (eval/results/domains/*.json).
 
-    python eval/domain_tables.py [--default sink-aware,refit]
+    python eval/domain_tables.py [--default refit-energy,refit]   # or sink-aware,refit: the former default
 
 Per domain (the evaluation plays; the Python standard library's docstrings) and shipped decoder: every
 scorer's perplexity change [95% CI] under zero / mean / refit at 10 / 25 / 40 / 50%; then the targets:
@@ -86,7 +86,7 @@ def mean_ranks(files: list[dict], comp: str) -> list[list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--default", default="sink-aware,refit", help="SCORER,COMPENSATION: the default pair")
+    ap.add_argument("--default", default="refit-energy,refit", help="SCORER,COMPENSATION: the default pair")
     args = ap.parse_args()
     scorer, comp = args.default.split(",")
     met = {"best": [0, 0], "proxy": [0, 0], "mean": [0, 0]}

@@ -206,7 +206,7 @@ def test_recipe_export_section_pushes_through_the_client(runs):
                                      {"private": False, "exist_ok": True, "repo_type": "model"})
     assert upload == "upload_folder" and up["repo_id"] == "me/gpt2-pruned"
     assert Path(up["folder_path"]) == run_dir / "export-dense"
-    assert up["commit_message"].startswith("pruner: sink-aware pruned 8/32 heads (mean compensation, dense)")
+    assert up["commit_message"].startswith("pruner: refit-energy pruned 8/32 heads (mean compensation, dense)")
     assert 'from_pretrained("me/gpt2-pruned")' in (run_dir / "export-dense" / "README.md").read_text()
 
 
@@ -221,7 +221,7 @@ def test_model_card_metadata_parses_with_huggingface_hub(runs):
         assert card.data.base_model == base  # from-scratch shipped checkpoints have no Hub base to name
         assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
         assert {"pruned", "attention-head-pruning"} <= set(card.data.tags)
-        for text in ("`sink-aware`", "compensation: `mean`", "Convention sensitivity", "perplexity before",
+        for text in ("`refit-energy`", "compensation: `mean`", "Convention sensitivity", "perplexity before",
                      "```yaml", "AutoModelForCausalLM.from_pretrained", "plan.json"):
             assert text in card.text, text
 
@@ -353,7 +353,7 @@ def test_push_arguments_reach_the_client(runs, tmp_path, monkeypatch, capsys):
     assert hub.calls == [
         ("create_repo", "me/llama-compact", {"private": True, "exist_ok": True, "repo_type": "model"}),
         ("upload_folder", {"folder_path": str(out), "repo_id": "me/llama-compact", "repo_type": "model",
-                           "commit_message": "pruner: sink-aware pruned 16/32 heads (mean compensation, compact)"})]
+                           "commit_message": "pruner: refit-energy pruned 16/32 heads (mean compensation, compact)"})]
     assert "pushed to https://huggingface.co/me/llama-compact" in capsys.readouterr().out
 
 

@@ -223,9 +223,12 @@ CASES = [
      r"surgery.ridge: a ridge is >= 0 \(relative to the mean diagonal\) or auto, got -1"),
     ("refit: singular system (twin heads, ridge 0)", lambda e: _recipe(e, f"model.path={e / 'twin-heads'}",
                                                                        "surgery.compensation=refit",
-                                                                       "surgery.ridge=0"), 2,
+                                                                       "surgery.ridge=0", "scorer.name=sink-aware"), 2,
      r"refit compensation of layer \d: the (kept heads' second moment is singular|system is ill-conditioned).* "
      r"surgery.ridge"),
+    ("refit-aware scorer: singular moment (twin heads, ridge 0)",
+     lambda e: _recipe(e, f"model.path={e / 'twin-heads'}", "surgery.compensation=refit", "surgery.ridge=0"), 2,
+     r"refit-aware scoring of layer \d: the heads' second moment is singular \(ridge 0\); set surgery.ridge > 0"),
     ("export of a folder that is not a run", lambda e: ["export", e / "tiny-llama", "--format", "dense"], 2,
      r"tiny-llama is not a pruner run folder \(no recipe.yaml, plan.json, metrics.json\)"),
     ("analyze: --compare-to with another tokenizer", lambda e: ["analyze", e / "tiny-gpt2", "--compare-to",

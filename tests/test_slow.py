@@ -14,18 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_reproduces_the_readme(tmp_path):
-    """`pruner prune recipes/quickstart.yaml`: 18/72 heads, refit (ridge auto), perplexity 156.17 -> 156.68, 12 of 18
+    """`pruner prune recipes/quickstart.yaml`: 18/72 heads, refit-energy + refit (ridge auto), perplexity 156.17 -> 156.47, 12 of 18
     flip."""
     out = tmp_path / "run"
     assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out)]) == 0
     m = json.loads((out / "metrics.json").read_text())
     e = m["evaluation"]
     assert m["pruned_heads"] == 18 and m["total_heads"] == 72
-    assert e["base"] == pytest.approx(156.17, abs=0.01) and e["pruned"] == pytest.approx(156.68, abs=0.01)
-    assert e["ci_low"] == pytest.approx(0.26, abs=0.01) and e["ci_high"] == pytest.approx(0.76, abs=0.01)
+    assert e["base"] == pytest.approx(156.17, abs=0.01) and e["pruned"] == pytest.approx(156.47, abs=0.01)
+    assert e["ci_low"] == pytest.approx(0.01, abs=0.01) and e["ci_high"] == pytest.approx(0.60, abs=0.01)
     assert m["convention_sensitivity"]["changed"] == 12
-    assert m["compensation"] == "refit" and m["refit"]["unexplained"] == pytest.approx(2.046, abs=1e-3)
-    assert [v["ridge"] for _, v in sorted(m["refit"]["layers"].items())] == [0.1, 0.1, 1.0, 0.1, 0.1]
+    assert m["compensation"] == "refit" and m["refit"]["unexplained"] == pytest.approx(1.929, abs=1e-3)
+    assert [v["ridge"] for _, v in sorted(m["refit"]["layers"].items())] == [0.1, 0.1, 1.0, 0.1, 1.0]
 
 
 def test_causal_finetune_entropy_drop_is_mostly_sink(tmp_path):

@@ -68,7 +68,9 @@ class SinkSection(_Strict):
 
 
 class ScorerSpec(_Strict):
-    name: str = "sink-aware"
+    # the refit-aware scorer: with refit, the best mean rank on the development splits of three
+    # decoders and two kinds of text (eval/domain_dev_study.py; docs/scorers.md)
+    name: str = "refit-energy"
     convention: Literal["full", "content"] | None = None
     ablation_samples: int = Field(16, ge=1, description="ablation scorer: calibration samples each single-head "
                                                         "removal is measured on (layers x heads passes over them)")
@@ -119,7 +121,7 @@ class SurgerySpec(_Strict):
     """How heads go: masked or removed, and what is kept of them (see pruner.pruning.surgery)."""
 
     mode: Literal["mask", "remove"] = "mask"
-    # refit by default: with the sink-aware scorer, the pair chosen on the development split
+    # refit by default: the compensation chosen on the development split
     # (eval/refit_study.py; docs/compensation.md); it needs no bias, so every family gets it
     compensation: Literal["zero", "mean", "refit"] = "refit"
     ridge: float | Literal["auto"] = Field(
