@@ -4,6 +4,11 @@ at a time.
 
     python eval/bench_layerwise.py 8b --windows 4 --length 256          # Llama-3-8B shape: peak RSS and time
     python eval/bench_layerwise.py 70b-width --layers 2 --windows 2 --length 256  # per layer vs the model
+    python eval/bench_layerwise.py 1b --procs 2 --windows 8 --length 256 --threads 1   # 2 processes vs 1
+
+`--procs 2` runs the calibration twice, in one process and under `torchrun --nproc_per_node 2` (gloo), each
+process taking every second window: peak RSS per process, the plans of two scorers (identical), and the
+largest difference of every statistic (float64 summation order, and float32 products of other batches).
 
 Each case runs in a fresh process: `calibrate` reads the checkpoint lazily (`pruner.checkpoints.lazy`), and
 the same blocks are also run once without the capture (the plain layer-by-layer forward of the same windows,
@@ -35,6 +40,10 @@ CONFIGS = {
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
+    "1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               bos_token_id=128000, eos_token_id=128001),
 }
 
 
@@ -57,6 +66,8 @@ def write_checkpoint(name: str, layers: int | None, folder: Path) -> Path:
     g = torch.Generator().manual_seed(0)
     groups: dict[str, dict[str, tuple]] = {}
     for key, p in meta.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         part = key.split(".")[2] if key.startswith("model.layers.") else "rest"
         groups.setdefault(part, {})[key] = tuple(p.shape)
     weight_map = {}
@@ -126,6 +137,83 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
                                 **{f"host/{k}": v for k, v in plan.host.parts.items()}}}
 
 
+def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: int, dump: Path) -> dict | None:
+    """In each process of a torchrun group (or alone): the layer-by-layer calibration from disk on this
+    process's share of the windows; rank 0 saves the statistics to `dump` and returns every rank's peak RSS
+    and the plans."""
+    from dataclasses import asdict
+
+    from pruner.attention.capture import CaptureConfig
+    from pruner.attention.sinks import SinkSpec
+    from pruner.checkpoints.lazy import lazy_model
+    from pruner.core import arch, distributed
+    from pruner.core.data import TokenBatch
+    from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.pruning.scoring import get_scorer
+    from pruner.pruning.selection import SelectionConfig, select
+
+    torch.set_num_threads(threads)
+    lazy = lazy_model(folder, "bfloat16")
+    ids = torch.randint(3, lazy.model.config.vocab_size, (windows, length), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    inputs = calibrate_layerwise(lazy.model, TokenBatch(ids, torch.ones_like(ids)), SinkSpec("first"), None,
+                                 CaptureConfig(metrics=("cosine",), outputs=True), lazy, batch_size=4, ridge=ridge)
+    cal_s = time.perf_counter() - t0
+    g = arch.geometry(lazy.model)
+    plans = {name: select(get_scorer(name), inputs, g, SelectionConfig(target=0.25)).heads
+             for name in ("sink-aware", "refit-energy")}
+    peaks = distributed.all_objects(_peak())
+    if not distributed.is_main():
+        return None
+    stats = {k: v for k, v in asdict(inputs.stats).items() if isinstance(v, torch.Tensor)}
+    stats.update({f"outputs/{i}/{k}": v for i, m in enumerate(inputs.stats.outputs)
+                  for k, v in asdict(m).items() if isinstance(v, torch.Tensor)})
+    torch.save(stats, dump)
+    return {"processes": distributed.world_size(), "layers": g.n_layers, "windows": windows, "length": length,
+            "threads": threads, "calibrate_s": cal_s, "peak_rss_per_process": peaks,
+            "plans": {k: {str(layer): v for layer, v in sorted(p.items())} for k, p in plans.items()}}
+
+
+def compare_processes(args, folder: Path, env: dict) -> None:
+    """One process, then `procs` under torchrun: peak RSS per process, plans and statistics."""
+    runs = {}
+    for procs in (1, args.procs):
+        dump = Path(args.work) / f"stats-{procs}.pt"
+        tail = [__file__, args.model, "--procs-case", str(folder), "--dump", str(dump), "--windows",
+                str(args.windows), "--length", str(args.length), "--ridge", str(args.ridge), "--threads",
+                str(args.threads)]
+        head = [sys.executable] if procs == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+        done = subprocess.run(head + tail, capture_output=True, text=True, env=env)
+        if done.returncode:
+            sys.exit(done.stderr[-3000:])
+        runs[procs] = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+        runs[procs]["stats"] = torch.load(dump)
+        dump.unlink()
+    one, many = runs[1], runs[args.procs]
+    worst = max(((k, float((many["stats"][k] - v).abs().max() / v.abs().max().clamp_min(1e-300)))
+                 for k, v in one["stats"].items()), key=lambda kv: kv[1])
+    gb = lambda n: n / 2**30  # noqa: E731
+    r = {k: v for k, v in one.items() if k not in ("stats", "peak_rss_per_process", "calibrate_s", "processes",
+                                                   "plans")}
+    r.update({"model_bytes_on_disk": sum(f.stat().st_size for f in folder.glob("*.safetensors")),
+              "one": {k: one[k] for k in ("calibrate_s", "peak_rss_per_process")},
+              "many": {k: many[k] for k in ("processes", "calibrate_s", "peak_rss_per_process")},
+              "plans_identical": one["plans"] == many["plans"], "plans": one["plans"],
+              "largest_relative_difference": {"statistic": worst[0], "value": worst[1]}})
+    print(f"{args.model} ({r['layers']} layers, {gb(r['model_bytes_on_disk']):.2f} GiB), {args.windows} windows x "
+          f"{args.length} tokens, {args.threads} thread(s) per process")
+    print(f"  1 process: calibration {one['calibrate_s']:.1f} s, peak RSS {gb(one['peak_rss_per_process'][0]):.2f} GiB")
+    print(f"  {args.procs} processes: calibration {many['calibrate_s']:.1f} s, peak RSS per process "
+          + ", ".join(f"{gb(p):.2f}" for p in many["peak_rss_per_process"]) + " GiB "
+          f"(largest / one process: {max(many['peak_rss_per_process']) / one['peak_rss_per_process'][0]:.2f})")
+    print(f"  plans (sink-aware, refit-energy at 25%) identical: {r['plans_identical']}; largest relative "
+          f"difference of a statistic: {worst[1]:.1e} ({worst[0]})")
+    out = ROOT / "eval" / "results" / f"bench_layerwise-{args.model}-{args.procs}proc.json"
+    out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(CONFIGS))
@@ -135,8 +223,16 @@ def main() -> None:
     ap.add_argument("--ridge", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
+    ap.add_argument("--procs", type=int, default=1, help="also calibrate under torchrun with this many processes")
     ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--procs-case", help=argparse.SUPPRESS)
+    ap.add_argument("--dump", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.procs_case:  # a child of --procs: one process of the group
+        r = procs_case(Path(args.procs_case), args.windows, args.length, args.ridge, args.threads, Path(args.dump))
+        if r is not None:
+            print(json.dumps(r))
+        return
     if args.case:  # the child: one measurement, JSON on stdout
         print(json.dumps(case(Path(args.case), args.windows, args.length, args.ridge, args.threads)))
         return
@@ -145,7 +241,11 @@ def main() -> None:
     write_checkpoint(args.model, args.layers, folder)
     print(f"checkpoint {folder}: {sum(f.stat().st_size for f in folder.glob('*.safetensors')) / 2**30:.1f} GiB "
           f"({time.time() - t0:.0f} s)", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MALLOC_MMAP_THRESHOLD_": "131072",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.procs > 1:
+        compare_processes(args, folder, env)
+        return
     cmd = [sys.executable, __file__, args.model, "--case", str(folder), "--windows", str(args.windows),
            "--length", str(args.length), "--ridge", str(args.ridge), "--threads", str(args.threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

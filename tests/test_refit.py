@@ -329,6 +329,45 @@ def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_p
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("family,ridge", [("gpt2", 1e-3), ("llama", "auto")])
+def test_one_pass_sequential_refit_equals_the_pass_per_layer_one(family, ridge):
+    """Each block refitted as it is captured, its pruned outputs fed forward: the fits (and chosen ridges) of
+    re-capturing the whole model once per pruned layer, to the float32 rounding of the forwarded states (the
+    model's attention against the capture's kernel), with every block run twice instead of L captures."""
+    from pruner.core.layerwise import Resident
+    from pruner.pruning.layerwise import refit_one_pass
+
+    model, batch = tiny_model(family), pad(ragged_batch(seed=3, n=7), 0)
+    heads = {0: [1], 1: [0, 2]}
+    cfg = CaptureConfig(metrics=(), outputs=True, folds=3 if ridge == "auto" else 0)
+    last, calls = {}, []
+
+    def collect():
+        calls.append(1)
+        last["stats"] = capture_stats(model, batch, SinkSpec("first"), config=cfg, batch_size=2)
+        return last["stats"].outputs
+
+    ref = refit_sequential(model, heads, collect, ridge, lambda: last["stats"].folds)
+    blocks = arch.blocks(model)
+    runs = {i: 0 for i in range(len(blocks))}
+    hooks = [b.register_forward_hook(lambda m, a, out, i=i: runs.__setitem__(i, runs[i] + 1))
+             for i, b in enumerate(blocks)]
+    one = refit_one_pass(model, heads, batch, SinkSpec("first"), None, Resident(model, "cpu"), ridge=ridge, folds=3,
+                         batch_size=2)
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 and runs == {0: 8, 1: 8}  # 4 batches, twice through each pruned block
+    assert one.weight.keys() == ref.weight.keys() == {0, 1} and one.bias.keys() == ref.bias.keys()
+    torch.testing.assert_close(one.weight[0], ref.weight[0], rtol=0, atol=0)  # nothing pruned below layer 0
+    torch.testing.assert_close(one.weight[1], ref.weight[1], rtol=0, atol=1e-4 * float(ref.weight[1].abs().max()))
+    assert [f.get("ridge") for f in one.fits.values()] == [f.get("ridge") for f in ref.fits.values()]
+    with surgery.masked(model, heads, ref):
+        expected = logits(model, batch)
+    with surgery.masked(model, heads, one):  # it prunes like the reference
+        torch.testing.assert_close(logits(model, batch), expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
+
+
+@pytest.mark.integration
 def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     """A head and its exact copy: either is rebuilt from the other, so it costs (nearly) nothing.
 

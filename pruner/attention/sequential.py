@@ -11,6 +11,7 @@ calibration window (`storage`: the host by default) and the finished layers' sum
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Callable
 
 import torch
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from pruner.attention.capture import Capture, CaptureConfig
 from pruner.attention.sinks import SinkSpec
-from pruner.attention.sums import HeadStats
+from pruner.attention.sums import HeadStats, LayerStats
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
 from pruner.core.layerwise import Onloader, first_block_calls, run_blocks
@@ -27,9 +28,13 @@ from pruner.core.layerwise import Onloader, first_block_calls, run_blocks
 def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
                       onloader: Onloader, device: str | torch.device = "cpu", batch_size: int = 8,
                       progress: bool = False, storage: str | torch.device = "cpu",
-                      on_layer: Callable[[int], None] | None = None) -> HeadStats:
+                      on_layer: Callable[[int], None] | None = None,
+                      rerun: Callable[[int, LayerStats], AbstractContextManager | None] | None = None) -> HeadStats:
     """`capture_stats` with one block resident at a time (see the module docstring). `on_layer(layer)` runs
-    while the layer's block is still in memory (what a caller reads off its weights)."""
+    while the layer's block is still in memory (what a caller reads off its weights). `rerun(layer, sums)`,
+    given the layer's finished sums (over every process), may return a context -- the block pruned and
+    compensated, say -- in which the layer's batches run again, uncaptured, for the next block to see
+    (`pruner.core.layerwise.run_blocks`)."""
     if sinks.mode == "auto" or config.across_layers:
         raise ValueError("capture.onload: sequential captures pruning's statistics; auto sinks and the model-wide "
                          "pairs of `analyze` need every layer at once (capture.onload: all)")
@@ -53,7 +58,11 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
                 cap.layers[layer] = cap.layers[layer].to("cpu")
 
-        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer, bar)
+        def again(layer: int) -> AbstractContextManager | None:
+            return rerun(layer, distributed.reduce_tree(cap.layers[layer]))
+
+        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer, bar,
+                   None if rerun is None else again)
         for view in views:
             cap.add_residual(view)
     if bar is not None:

@@ -15,6 +15,7 @@ device and back (`Resident`), or materialised from the checkpoint's safetensors 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -69,6 +70,13 @@ class Resident:
 
 
 @torch.no_grad()
+def _through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
+    """One block call: `hidden` (B, T, d_model) through `block` on `device`, back where `hidden` was."""
+    out = block(hidden.to(device), **_move(call.kwargs, device))
+    return (out[0] if isinstance(out, tuple) else out).to(hidden.device)
+
+
+@torch.no_grad()
 def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device,
                       storage: str | torch.device = "cpu") -> list[BlockCall]:
     """What block 0 receives for each (input_ids, attention_mask) batch, by running the model's body up to it.
@@ -100,23 +108,31 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
 @torch.no_grad()
 def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device,
                before_call: Callable[[int, int], None] | None = None,
-               after_layer: Callable[[int], None] | None = None, progress=None) -> list[BlockCall]:
+               after_layer: Callable[[int], None] | None = None, progress=None,
+               rerun: Callable[[int], AbstractContextManager | None] | None = None) -> list[BlockCall]:
     """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
 
     `before_call(layer, i)` runs before call i of a layer (a capture sets which batch the attention sees);
-    `after_layer(layer)` after the layer's last call, before it is offloaded. Returns the calls with the
-    last block's output as their hidden states.
+    `after_layer(layer)` after the layer's last call, before it is offloaded. `rerun(layer)`, after that:
+    a context (a scoped mask, say) to run the layer's calls again in, from the same inputs, so that the
+    next block sees the changed block's outputs -- or None to keep the first outputs. Returns the calls
+    with the last block's output as their hidden states.
     """
     for layer in range(n_layers):
         block = onloader.onload(layer)
+        inputs = [call.hidden for call in calls] if rerun is not None else None  # kept for a rerun
         for i, call in enumerate(calls):
             if before_call is not None:
                 before_call(layer, i)
-            out = block(call.hidden.to(device), **_move(call.kwargs, device))
-            out = out[0] if isinstance(out, tuple) else out
-            call.hidden = out.to(call.hidden.device)
+            call.hidden = _through(block, call.hidden, call, device)
         if after_layer is not None:
             after_layer(layer)
+        scope = rerun(layer) if rerun is not None else None
+        if scope is not None:
+            with scope:
+                for call, x in zip(calls, inputs):
+                    call.hidden = _through(block, x, call, device)
+        del inputs
         onloader.offload(layer)
         if progress is not None:
             progress.update(1)

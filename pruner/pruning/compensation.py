@@ -59,7 +59,7 @@ def compensate(model, heads: HeadSet, outputs: list[OutputMoments], kind: str, r
         if hs:
             choice = None if ridge != "auto" else choose_layer_ridge(model, layer, hs, folds[layer])
             fit = refit_layer(model, layer, hs, outputs[layer], ridge if choice is None else choice.ridge)
-            weight[layer], fits[layer] = fit.delta_w, _diagnostics(fit, choice)
+            weight[layer], fits[layer] = fit.delta_w, diagnostics(fit, choice)
             if fit.delta_b is not None:
                 bias[layer] = fit.delta_b
     dtype = arch.o_weight_cols(model, 0).dtype
@@ -100,7 +100,7 @@ def has_bias(model, layer: int) -> bool:
     return arch.o_bias(model, layer) is not None
 
 
-def _diagnostics(fit: refit.Fit, choice: refit.RidgeChoice | None = None) -> dict:
+def diagnostics(fit: refit.Fit, choice: refit.RidgeChoice | None = None) -> dict:
     out = {"unexplained": fit.unexplained, "pruned": fit.pruned, "lambda": fit.lam, "intercept": fit.delta_b is not None}
     if choice is not None:  # the cross-validated ridge: what each ridge left on the held-out folds
         i = choice.grid.index(choice.ridge)
@@ -132,6 +132,6 @@ def refit_sequential(model, heads: HeadSet, collect: Callable[[], list[OutputMom
         dtype = arch.o_weight_cols(model, layer).dtype
         bias = comp.bias | ({} if fit.delta_b is None else {layer: fit.delta_b.to(dtype)})
         comp = Compensation("refit", bias, comp.weight | {layer: fit.delta_w.to(dtype)},
-                            comp.fits | {layer: _diagnostics(fit, choice)})
+                            comp.fits | {layer: diagnostics(fit, choice)})
         done[layer] = heads[layer]
     return comp

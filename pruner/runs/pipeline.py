@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass, replace
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.checkpoints import layout as forms
 from pruner.core import arch, distributed
+from pruner.core.layerwise import Resident
 from pruner.evaluation import bench
 from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
 from pruner.pruning import refit, surgery
 from pruner.pruning.calibrate import calibrate
 from pruner.pruning.compensation import compensate, refit_sequential
-from pruner.pruning.layerwise import calibrate_layerwise
+from pruner.pruning.layerwise import calibrate_layerwise, refit_one_pass
 from pruner.pruning.scoring import ScoringInputs, get_scorer
 from pruner.pruning.selection import (
     Plan,
@@ -148,6 +149,12 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
             raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
                              "refit_mode='oneshot' with pruner.apply")
         r = session.recipe
+        if not getattr(model, "hf_device_map", None):  # one pass, each block refitted as it is captured
+            return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer,
+                                  Resident(model, next(model.parameters()).device), ridge=spec.ridge,
+                                  folds=spec.folds, chunk_size=r.capture.chunk_size,
+                                  batch_size=r.calibration.batch_size)
+        # spread over devices (device_map): a whole-model capture per pruned layer
         cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True,
                             folds=spec.folds if spec.ridge == "auto" else 0)
         last = {}
