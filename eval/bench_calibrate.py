@@ -220,7 +220,8 @@ def targets(results: list[dict]) -> list[str]:
         c = r["cases"]
         if "plain" in c and "calibrate" in c:
             x = c["calibrate"]["seconds"] / c["plain"]["seconds"]
-            out.append(f"{r['model']}: calibrate/plain time {x:.2f} (target <= 1.3): {'met' if x <= 1.3 else 'MISSED'}")
+            out.append(f"{r['model']}: calibrate/plain time {x:.2f} (target <= 1.5, issue 24; the earlier "
+                       f"<= 1.3 {'met' if x <= 1.3 else 'missed'}): {'met' if x <= 1.5 else 'MISSED'}")
         if "calibrate" in c:
             m = c["calibrate"]["extra_gb"]
             out.append(f"{r['model']}: calibrate peak memory model + {m:.2f} GB (target <= model + 1.5 GB): "
