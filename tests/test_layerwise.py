@@ -73,6 +73,60 @@ def test_blocks_read_from_disk_give_the_same_statistics(name):
     assert all(p.device.type == "meta" for block in arch.blocks(lazy.model) for p in block.parameters())
 
 
+@pytest.mark.parametrize("name", ["minilm-causal", "gpt2-shakespeare", "llama-shakespeare"])
+def test_perplexity_block_by_block_equals_the_whole_model(name):
+    """Evaluation windows through one block at a time, read from disk, then the model's own final norm and LM
+    head: the whole model's per-window NLLs bit for bit, for the base and for a plan under per-block scoped
+    masks with mean compensation."""
+    from pruner.checkpoints import loading
+    from pruner.evaluation.perplexity import sliding_windows, window_scores
+    from pruner.pruning import surgery
+    from pruner.pruning.compensation import compensation_bias
+
+    tok = loading.load_tokenizer(name)
+    windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 64, max_windows=10)
+    model = loading.load_model(name)
+    heads = {0: [1], 2: [0, 1]}
+    outputs = capture_stats(model, token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 64,
+                                                 num_samples=4), SinkSpec("first"), tok,
+                            config=CaptureConfig(metrics=(), outputs=True)).outputs
+    comp = surgery.Compensation("mean", bias=compensation_bias(model, heads, outputs))
+    base = window_scores(model, windows, 4)
+    with surgery.masked(model, heads, comp):
+        pruned = window_scores(model, windows, 4)
+    lazy = lazy_model(assets.resolve(name))
+    scope = lambda layer: surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)  # noqa: E731
+    assert torch.equal(window_scores(lazy.model, windows, 4, onloader=lazy)[0], base[0])
+    got = window_scores(lazy.model, windows, 4, onloader=lazy, within=scope)
+    assert torch.equal(got[0], pruned[0]) and torch.equal(got[1], pruned[1])
+    assert not torch.equal(pruned[0], base[0])
+    from pruner.core import arch
+
+    assert all(p.device.type == "meta" for block in arch.blocks(lazy.model) for p in block.parameters())
+
+
+def test_compare_block_by_block_never_loads_the_whole_model(tmp_path, monkeypatch):
+    """`pruner compare` with the blocks on disk: calibration, compensation (mean, refit) and every plan's
+    evaluation one block at a time -- the whole-model loader is never called -- and the records of the
+    whole-model run, number for number."""
+    from pruner.checkpoints import loading
+
+    args = ["compare", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--scorers", "refit-energy,cosine",
+            "--sparsities", "0.5", "--compensation", "zero,mean,refit", "--set", "capture.metrics=[cosine]"] + QUICK
+    assert main(args + ["--out", str(tmp_path / "all"), "--set", "capture.onload=all"]) == 0
+
+    def refuse(*a, **k):
+        raise AssertionError("the whole model was loaded")
+
+    monkeypatch.setattr(loading, "load_base", refuse)
+    assert main(args + ["--out", str(tmp_path / "seq"), "--set", "capture.onload=sequential"]) == 0
+    a, b = (json.loads((tmp_path / m / "compare.json").read_text()) for m in ("all", "seq"))
+    ra, rb = (x["records"] if isinstance(x, dict) else x for x in (a, b))
+    assert len(ra) == len(rb) == 6
+    for x, y in zip(ra, rb):
+        assert x["heads"] == y["heads"] and x["delta"] == pytest.approx(y["delta"], rel=1e-12, abs=1e-12)
+
+
 def test_one_pass_sequential_refit_reads_blocks_from_disk():
     """Sequential refit, one pass: blocks read one at a time from the shipped checkpoint give the fits of the
     same pass over the model held in memory, bit for bit (ridge auto: the same ridges too)."""

@@ -268,9 +268,9 @@ CASES = [
      r"cannot resume from .*\.run\.partial: the interrupted run had a different setup \(recipe.selection.target: "
      r"0.25 -> 0.5\); rerun its own command with --resume, or start over with --overwrite"),
     ("model larger than free memory (512 KiB)", lambda e: _recipe(e), 2,
-     r"the plan is made layer by layer, but evaluating, pruning and saving load the whole model \(620 KiB in "
-     r"float32\), and only 512 KiB is free on cpu: use pruner.plan \(Python\) for the plan alone, or a machine "
-     r"with more memory"),
+     r"the plan is made layer by layer, but pruning and saving load the whole model \(620 KiB in "
+     r"float32\), and only 512 KiB is free on cpu: `pruner compare` evaluates plans layer by layer and "
+     r"pruner.plan \(Python\) gives the plan alone; or use a machine with more memory"),
     ("not enough memory (512 KiB free)", lambda e: _recipe(e, "calibration.batch_size=4", "capture.onload=all"), 2,
      r"not enough memory for calibration: its peak is about [\d.]+ \w+ \(model .*\), and only 512 KiB is free on cpu "
      r"beyond the loaded model; lower calibration.batch_size: \d+ \(about [\d.]+ \w+\) or model.dtype: bfloat16"),

@@ -168,6 +168,8 @@ def _compare(call: Call, scorers, sparsities, compensations, budgets, gqa, progr
     options = {"scorers": scorers, "sparsities": targets, "compensations": list(compensations),
                "budgets": list(budgets or []), "gqa": list(gqa or [])}
     checkpoints = call.checkpoints(checkpoint_dir, "compare", options, prov)
-    records = comparison.compare(call.session(progress, checkpoints=checkpoints), scorers, targets, list(compensations),
+    session = call.session(progress, checkpoints=checkpoints,  # only tasks need the whole model in memory
+                           whole_model=bool(call.recipe.evaluation.tasks))
+    records = comparison.compare(session, scorers, targets, list(compensations),
                                list(budgets) if budgets else None, list(gqa) if gqa else None, progress)
     return Comparison(records, call.recipe, prov)

@@ -15,9 +15,9 @@ device and back (`Resident`), or materialised from the checkpoint's safetensors 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -109,22 +109,25 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
 def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device,
                before_call: Callable[[int, int], None] | None = None,
                after_layer: Callable[[int], None] | None = None, progress=None,
-               rerun: Callable[[int], AbstractContextManager | None] | None = None) -> list[BlockCall]:
+               rerun: Callable[[int], AbstractContextManager | None] | None = None,
+               within: Callable[[int], AbstractContextManager] | None = None) -> list[BlockCall]:
     """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
 
     `before_call(layer, i)` runs before call i of a layer (a capture sets which batch the attention sees);
     `after_layer(layer)` after the layer's last call, before it is offloaded. `rerun(layer)`, after that:
     a context (a scoped mask, say) to run the layer's calls again in, from the same inputs, so that the
-    next block sees the changed block's outputs -- or None to keep the first outputs. Returns the calls
-    with the last block's output as their hidden states.
+    next block sees the changed block's outputs -- or None to keep the first outputs. `within(layer)`: a
+    context the layer's calls run in (a scoped mask of its pruned heads: the pruned model, a block at a
+    time). Returns the calls with the last block's output as their hidden states.
     """
     for layer in range(n_layers):
         block = onloader.onload(layer)
         inputs = [call.hidden for call in calls] if rerun is not None else None  # kept for a rerun
-        for i, call in enumerate(calls):
-            if before_call is not None:
-                before_call(layer, i)
-            call.hidden = _through(block, call.hidden, call, device)
+        with within(layer) if within is not None else nullcontext():
+            for i, call in enumerate(calls):
+                if before_call is not None:
+                    before_call(layer, i)
+                call.hidden = _through(block, call.hidden, call, device)
         if after_layer is not None:
             after_layer(layer)
         scope = rerun(layer) if rerun is not None else None
@@ -137,3 +140,32 @@ def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device
         if progress is not None:
             progress.update(1)
     return calls
+
+
+class _Replay(torch.nn.Module):
+    """Stands in for a block: the first returns the hidden states it is given to replay, the others pass
+    their input on."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first, self.hidden = first, None
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.hidden.to(hidden_states.device) if self.first else hidden_states
+
+
+@contextmanager
+def replayed(model) -> Iterator[_Replay]:
+    """The model with its blocks swapped for replays: `replay.hidden = h` (B, T, d_model), the last block's
+    output, and a forward runs the model's own code after the blocks (final norm, LM head, pooling) on it.
+    What a layer-by-layer pass needs to finish, with no block resident; the blocks are put back after."""
+    layers = arch.get(model.base_model, arch.adapter_for(model).layers)
+    kept = list(layers)
+    replays = [_Replay(i == 0) for i in range(len(kept))]
+    try:
+        for i, r in enumerate(replays):
+            layers[i] = r
+        yield replays[0]
+    finally:
+        for i, b in enumerate(kept):
+            layers[i] = b

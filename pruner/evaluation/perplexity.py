@@ -15,14 +15,17 @@ bootstrap over windows.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from pruner.core import distributed
+from pruner.core import arch, distributed
 from pruner.core.bootstrap import percentile_interval, resamples
 from pruner.core.data import DataError, bos_token_id, line_samples, mask_tokens
+from pruner.core.layerwise import Onloader, first_block_calls, replayed, run_blocks
 from pruner.core.runtime import forward
 
 
@@ -93,41 +96,70 @@ def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool 
 
 @torch.no_grad()
 def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
-                  causal: bool = True, pool: bool = False):
+                  causal: bool = True, pool: bool = False, onloader: Onloader | None = None, device="cpu",
+                  within: Callable[[int], AbstractContextManager] | None = None):
     """Per-window NLL sums, target counts and, with `pool`, pooled embeddings — one forward pass.
 
     Causal LMs predict token t+1 at position t; masked LMs predict each labelled
     position itself. Embeddings are the mean of the last hidden states over real
     tokens (sentence-transformers' pooling). Returns (window,) float64, (window,)
     int, and (window, d) or None.
+
+    With `onloader` (`capture.onload: sequential`) the pass runs one block at a time
+    (`pruner.core.layerwise`): every batch through block 0, then block 1, ..., each block
+    run under `within(layer)` (a scoped mask: the pruned model without the whole of it in
+    memory); the model's own code after the blocks then scores the last hidden states.
+    The same numbers as the whole-model pass: the same blocks on the same inputs.
     """
     model.eval()
     mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)  # several processes
+    parts = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     nll, count, emb = [], [], []
-    it = range(0, len(mine), batch_size)
-    for i in (tqdm(it, desc="perplexity", unit="batch") if progress else it):
-        idx = mine[i:i + batch_size]
-        ids, mask, lab = windows.input_ids[idx], windows.attention_mask[idx], windows.labels[idx]
-        out = forward(model, ids, mask, output_hidden_states=pool)
-        if pool:
-            h = out.hidden_states[-1].float()
-            m = mask[..., None].to(h)
-            emb.append(((h * m).sum(1) / m.sum(1)).cpu())
-        logits = out.logits.float()
-        lab = lab.to(logits.device)
-        if causal:
-            logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
-        else:
-            target = lab
-        tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
-                                                reduction="none")  # (B, T')
-        on = target != -100
-        nll.append((tok * on).sum(-1).double().cpu())
-        count.append(on.sum(-1).cpu())
+    if onloader is None:
+        for idx in (tqdm(parts, desc="perplexity", unit="batch") if progress else parts):
+            if within is not None:
+                raise ValueError("within: a per-block scope is for the layer-by-layer pass (onloader)")
+            out = forward(model, windows.input_ids[idx], windows.attention_mask[idx], output_hidden_states=pool)
+            _score(out, windows, idx, causal, pool, nll, count, emb)
+    else:
+        calls = first_block_calls(model, [(windows.input_ids[idx], windows.attention_mask[idx]) for idx in parts],
+                                  device)
+        bar = tqdm(total=len(arch.blocks(model)), desc="perplexity (layer by layer)", unit="layer") \
+            if progress else None
+        run_blocks(onloader, calls, len(arch.blocks(model)), device, progress=bar, within=within)
+        if bar is not None:
+            bar.close()
+        with replayed(model) as replay:
+            for idx, call in zip(parts, calls):
+                replay.hidden = call.hidden
+                out = forward(model, windows.input_ids[idx].to(device), windows.attention_mask[idx].to(device),
+                              output_hidden_states=pool)
+                _score(out, windows, idx, causal, pool, nll, count, emb)
     cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
     n = len(windows)
     return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),
             distributed.gather_rows(cat(emb), n) if pool else None)
+
+
+def _score(out, windows: EvalWindows, idx: torch.Tensor, causal: bool, pool: bool, nll: list, count: list,
+           emb: list) -> None:
+    """One batch's per-window NLL sums, target counts and pooled embeddings, appended to the lists."""
+    mask = windows.attention_mask[idx]
+    if pool:
+        h = out.hidden_states[-1].float()
+        m = mask[..., None].to(h)
+        emb.append(((h * m).sum(1) / m.sum(1)).cpu())
+    logits = out.logits.float()
+    lab = windows.labels[idx].to(logits.device)
+    if causal:
+        logits, target = logits[:, :-1], lab[:, 1:]  # position t predicts token t+1
+    else:
+        target = lab
+    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target.clamp_min(0),
+                                            reduction="none")  # (B, T')
+    on = target != -100
+    nll.append((tok * on).sum(-1).double().cpu())
+    count.append(on.sum(-1).cpu())
 
 
 def perplexity(nll: torch.Tensor, count: torch.Tensor) -> float:

@@ -34,7 +34,8 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         check_refit_tokens(session)
     inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
                             ablation=any(get_scorer(s).needs_ablation for s in scorers))
-    resident(session)  # evaluation runs the whole model
+    if session.downstream:  # tasks run the whole model; perplexity runs block by block when the blocks are on disk
+        resident(session)
     base = base_metrics(session, progress)
     geom = arch.geometry(session.model)
     records = []

@@ -75,13 +75,16 @@ def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: li
 
 def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
             calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
-            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE) -> Session:
+            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE,
+            whole_model: bool = True) -> Session:
     """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
 
     `model`/`tokenizer` default to what `recipe.model` names; texts default to the
     recipe's data sources. With `evaluation`, the evaluation windows are built now,
     so unusable evaluation text fails before any calibration compute. `checkpoints`:
-    where a resumable run keeps its stages (`pruner.core.resume`).
+    where a resumable run keeps its stages (`pruner.core.resume`). `whole_model`: whether a later stage
+    needs the whole model in memory (surgery, saving, tasks); if so, a layer-by-layer run that could not
+    hold it is refused now.
     """
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
@@ -100,7 +103,7 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
     session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints,
                       onloader=onloader)
-    if evaluation and onloader is not None:  # the later stages need the whole model: refused before any compute
+    if evaluation and whole_model and onloader is not None:  # needed later and cannot fit: refused before compute
         _check_whole_model_fits(m, onloader.folder)
     if evaluation:
         session.evaluation  # noqa: B018 - built now: bad evaluation text fails before calibration
@@ -130,7 +133,7 @@ def _load(recipe: Recipe):
 
 
 def resident(session: Session) -> None:
-    """The whole model in memory for the stages that run it whole (evaluation, surgery, saving), after a
+    """The whole model in memory for the stages that run it whole (surgery, saving, tasks), after a
     layer-by-layer calibration read its blocks one at a time; refused in one line when it cannot fit."""
     if session.onloader is None:
         return
@@ -146,6 +149,7 @@ def _check_whole_model_fits(m, folder: Path) -> None:
     free = resources.available_memory(device)
     if need is not None and free is not None and need > free:
         raise resources.ResourceError(
-            f"the plan is made layer by layer, but evaluating, pruning and saving load the whole model "
+            f"the plan is made layer by layer, but pruning and saving load the whole model "
             f"({resources.gib(need)} in {m.dtype}), and only {resources.gib(free)} is free on {device}: "
-            "use pruner.plan (Python) for the plan alone, or a machine with more memory")
+            "`pruner compare` evaluates plans layer by layer and pruner.plan (Python) gives the plan alone; "
+            "or use a machine with more memory")

@@ -144,6 +144,8 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
         raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
                          "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
                          "this model, or use compensation='zero'")
+    if session is not None and session.onloader is not None:  # the blocks stay on disk (capture.onload: sequential)
+        return _compensation_layerwise(model, plan_heads, spec, inputs, session)
     if kind == "refit" and spec.refit_mode == "sequential":
         if session is None:
             raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
@@ -165,6 +167,50 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
             return last["stats"].outputs
         return refit_sequential(model, plan_heads, collect, spec.ridge, lambda: last["stats"].folds)
     return compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge, inputs.stats.folds)
+
+
+def _compensation_layerwise(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs,
+                            session: Session) -> surgery.Compensation:
+    """`compensation` with one block in memory at a time: each layer's is computed from its own weights while its
+    block is onloaded (the same function on the same numbers as with the whole model resident)."""
+    onloader, r = session.onloader, session.recipe
+    if spec.compensation == "refit" and spec.refit_mode == "sequential":
+        return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer, onloader,
+                              ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
+                              device=onloader.device, batch_size=r.calibration.batch_size)
+    out = surgery.Compensation(spec.compensation)
+    for layer in sorted(k for k, v in plan_heads.items() if v):
+        onloader.onload(layer)
+        try:
+            part = compensate(model, {layer: plan_heads[layer]}, inputs.stats.outputs, spec.compensation, spec.ridge,
+                              inputs.stats.folds)
+        finally:
+            onloader.offload(layer)
+        out = surgery.Compensation(spec.compensation, out.bias | part.bias, out.weight | part.weight,
+                                   out.fits | part.fits)
+    return out
+
+
+def _block_scope(session: Session, plan_heads: dict[int, list[int]] | None, comp):
+    """The per-block scoped mask of a plan for a layer-by-layer evaluation (None: the base model)."""
+    if plan_heads is None:
+        return None
+    return lambda layer: surgery.masked(session.model, {layer: plan_heads[layer]} if plan_heads.get(layer) else {},
+                                        comp)
+
+
+def _window_scores(session: Session, plan_heads: dict[int, list[int]] | None = None, comp=None,
+                   progress: bool = False):
+    """Per-window NLLs (and pooled embeddings for encoders) of the base model, or of the plan under a scoped
+    mask: the whole model at once, or one block at a time when the blocks stay on disk."""
+    ev, onloader = session.recipe.evaluation, session.onloader
+    if onloader is not None:
+        return window_scores(session.model, session.evaluation, ev.batch_size, progress, session.causal,
+                             pool=not session.causal, onloader=onloader, device=onloader.device,
+                             within=_block_scope(session, plan_heads, comp))
+    with surgery.masked(session.model, plan_heads or {}, comp):
+        return window_scores(session.model, session.evaluation, ev.batch_size, progress, session.causal,
+                             pool=not session.causal)
 
 
 def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:
@@ -192,10 +238,11 @@ def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], comp, base
     """Perplexity (and fidelity for encoders) of the scoped-masked model vs the base on the same windows;
     with evaluation.tasks, each task's accuracy change on the same documents."""
     ev = session.recipe.evaluation
-    with surgery.masked(session.model, plan_heads, comp):
-        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size,
-                                        causal=session.causal, pool=not session.causal)
-        scores = session.downstream.scores() if session.downstream else None
+    nll, count, emb = _window_scores(session, plan_heads, comp)
+    scores = None
+    if session.downstream:  # tasks run the whole model (resident: `compare` loads it for them)
+        with surgery.masked(session.model, plan_heads, comp):
+            scores = session.downstream.scores()
     d = paired_delta(base["nll"], (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
     out = asdict(d)
     if emb is not None:
@@ -207,11 +254,9 @@ def evaluate_plan(session: Session, plan_heads: dict[int, list[int]], comp, base
 
 def base_metrics(session: Session, progress: bool = True) -> dict:
     """The unpruned model's per-window NLLs (and embeddings for encoders): stage `base`."""
-    ev = session.recipe.evaluation
 
     def compute():
-        nll, count, emb = window_scores(session.model, session.evaluation, ev.batch_size, progress=progress,
-                                        causal=session.causal, pool=not session.causal)
+        nll, count, emb = _window_scores(session, progress=progress)
         return {"nll": (nll, count), "emb": emb}
     out = stage(session, "base", compute)  # task scores are not saved (dataclasses): recomputed on resume
     return {**out, "tasks": session.downstream.scores() if session.downstream else None}
