@@ -207,3 +207,6 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     assert joint < gib(rows[("sequential", "host", "finished sums")]) < 1.05 * joint
     assert gib(rows[("sequential", "host", "W_O^T W_O of every layer")]) == pytest.approx(joint / 2, abs=0.05)  # float32
     assert gib(rows[("all", "device", "weights")]) == pytest.approx(131.4, abs=0.1)
+    note = next(line for line in out.splitlines() if line.startswith("after the plan"))
+    hidden = 64 * 128 * 8192 * 2 / 2**30  # the default evaluation: 64 windows x 128 tokens, bfloat16
+    assert "loads the whole model (131.4 GiB)" in note and f"host {hidden:.1f} GiB of hidden states" in note

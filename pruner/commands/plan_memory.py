@@ -45,4 +45,6 @@ def run(args: argparse.Namespace) -> int:
           f"windows x {cal.length} tokens, batch {cal.batch_size}, on {m.device}" +
           (f", {folds} folds for ridge auto" if folds else "") + "\n")
     print(mp.render(plans, m.device, chosen))
+    ev = recipe.evaluation
+    print("\n" + mp.after_plan(model, ev.num_samples, ev.length))
     return 0

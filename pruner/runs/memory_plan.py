@@ -71,6 +71,22 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     return MemoryPlan(onload, dev, host, cpu)
 
 
+def after_plan(model, windows: int | None, length: int) -> str:
+    """What the stages after the plan hold (a note under the table): `prune` loads the whole model for the
+    surgery and saving; `compare` with the blocks on disk keeps every evaluation window's hidden states on
+    the host and one block on the device (`pruner.evaluation.perplexity.window_scores`)."""
+    g = arch.geometry(model)
+    d_model = arch.o_weight_cols(model, 0).shape[0]
+    act = next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    outside = weights - g.n_layers * block_bytes(model)
+    hidden = "" if windows is None else \
+        f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens)"
+    return (f"after the plan: `pruner prune` loads the whole model ({gib(weights)}) for the surgery and saving; "
+            f"`pruner compare` with the blocks on disk evaluates one block at a time{hidden}, device "
+            f"{gib(outside + block_bytes(model))} of weights (outside the blocks + one block) and one batch")
+
+
 def meta_model(config):
     """A model of `config` on the meta device: every shape, no memory, no weights read."""
     from accelerate import init_empty_weights
