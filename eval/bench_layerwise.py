@@ -174,6 +174,12 @@ def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: i
             "plans": {k: {str(layer): v for layer, v in sorted(p.items())} for k, p in plans.items()}}
 
 
+def write(name: str, r: dict) -> None:
+    out = ROOT / "eval" / "results" / f"bench_layerwise-{name}.json"
+    out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def compare_processes(args, folder: Path, env: dict) -> None:
     """One process, then `procs` under torchrun: peak RSS per process, plans and statistics."""
     runs = {}
@@ -209,9 +215,7 @@ def compare_processes(args, folder: Path, env: dict) -> None:
           f"(largest / one process: {max(many['peak_rss_per_process']) / one['peak_rss_per_process'][0]:.2f})")
     print(f"  plans (sink-aware, refit-energy at 25%) identical: {r['plans_identical']}; largest relative "
           f"difference of a statistic: {worst[1]:.1e} ({worst[0]})")
-    out = ROOT / "eval" / "results" / f"bench_layerwise-{args.model}-{args.procs}proc.json"
-    out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {out}")
+    write(f"{args.model}-{args.procs}proc", r)
 
 
 def main() -> None:
@@ -260,9 +264,7 @@ def main() -> None:
           f"({r['calibrate_over_plain']:.2f}x)")
     print(f"  peak RSS {gb(r['peak_rss']):.2f} GiB ({r['peak_rss'] / r['model_bytes_on_disk']:.0%} of the model); "
           f"memory model {gb(r['predicted_peak']):.2f} GiB (measured / predicted {r['peak_rss'] / r['predicted_peak']:.2f})")
-    out = ROOT / "eval" / "results" / f"bench_layerwise-{args.model}{'-' + str(args.layers) if args.layers else ''}.json"
-    out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {out}")
+    write(f"{args.model}{'-' + str(args.layers) if args.layers else ''}", r)
 
 
 if __name__ == "__main__":
