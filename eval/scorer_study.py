@@ -161,7 +161,7 @@ def main() -> None:
     cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
     dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
     inputs = calibrate(model, cal, SinkSpec("first"), tok, gradient="gradient" in args.baselines,
-                       config=CaptureConfig(metrics=("cosine",), outputs=True))
+                       config=CaptureConfig(metrics=("cosine",), outputs=True, channels=True))
     base = window_nll(model, dev)
     global RESID
     RESID = residual_energy(model, cal)

@@ -199,6 +199,19 @@ def test_output_moments_match_the_attention_output():
     torch.testing.assert_close(mom.oo, torch.einsum("nhd,nhe->hde", xh, xh), rtol=1e-5, atol=1e-5)
     flat = x[keep]
     torch.testing.assert_close(mom.joint, flat.t() @ flat, rtol=1e-5, atol=1e-5)
+    assert mom.uu.numel() == mom.ww.numel() == 0  # the channels' second moments only when asked for
+    both = capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(chunk_size=3, outputs=True,
+                                                                                 channels=True)).outputs[1]
+    for k in ("tokens", "o", "u", "w", "oo", "joint"):
+        assert torch.equal(getattr(both, k), getattr(mom, k)), k
+    # uu, ww: each head's channel second moments, symmetric and positive semi-definite; the cross terms
+    # they leave make up oo: oo - uu - ww = sum (u w^T + w u^T), symmetric
+    for c in (both.uu, both.ww):
+        assert c.shape == (g.n_heads, g.head_dim, g.head_dim)
+        torch.testing.assert_close(c, c.transpose(1, 2), rtol=0, atol=1e-9)
+        assert torch.linalg.eigvalsh(c).min() > -1e-6 * float(c.abs().max())
+    cross = both.oo - both.uu - both.ww
+    torch.testing.assert_close(cross, cross.transpose(1, 2), rtol=0, atol=1e-6)
 
 
 def test_cross_energy_is_the_exact_energy_of_pruning_sets():

@@ -58,6 +58,8 @@ class CaptureConfig:
     dormant_threshold: float = 0.9
     outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
     folds: int = 0  # also the output moments per fold of whole samples (cross-validating refit's ridge)
+    channels: bool = False  # also each head's sink- and content-channel second moments (uu, ww; the scorer
+    #                         studies read them, no shipped scorer or compensation does: not kept by default)
     across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
     fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
 
@@ -249,7 +251,8 @@ class Capture:
             bf16 = query.dtype == torch.bfloat16
             folds = None if self._batch.folds is None else \
                 moments.fold_moments(out, rows, self._batch.folds, self.config.folds, bf16)
-            total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, bf16, folds), folds=folds)
+            total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, bf16, folds,
+                                                                        self.config.channels), folds=folds)
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
         return out

@@ -22,8 +22,8 @@ class OutputMoments:
     part of it each channel carries) be computed later, exactly.
     `joint` is the second moment of all heads' outputs together, so the energy of
     pruning several heads of a layer at once (their cross terms) is exact too.
-    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head);
-    joint: (head * d_head, head * d_head).
+    Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head) -- uu and ww
+    empty (0,) unless captured with `CaptureConfig(channels=True)`; joint: (head * d_head, head * d_head).
     """
 
     tokens: Tensor
@@ -90,7 +90,7 @@ def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: boo
 
 
 def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
-                   folds: FoldMoments | None = None) -> OutputMoments:
+                   folds: FoldMoments | None = None, channels: bool = True) -> OutputMoments:
     """Moments of one layer's head outputs over the counted rows of a batch.
 
     o: (B, T, H, d_head) what the output projection receives (any float dtype);
@@ -103,7 +103,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model)
     its products run in reduced precision (`matmul_precision`), rounding the centred
     values by at most 2^-9, no more than the model rounded o itself. With `folds` (this
-    batch's `fold_moments`), `joint` is their sum: no second pass over the rows.
+    batch's `fold_moments`), `joint` is their sum: no second pass over the rows. Without
+    `channels`, the per-channel second moments `uu` and `ww` are not computed (empty tensors):
+    what no shipped scorer or compensation reads costs neither time nor memory.
     """
     B, T, H, D = o.shape
     N = B * T
@@ -142,6 +144,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
 
     joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
     oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+    if not channels:
+        none = torch.zeros(0, dtype=torch.float64, device=joint.device)
+        return OutputMoments(n, o_sum, u_sum, w_sum, oo, none, none.clone(), joint)
     return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u.view(H, D)),
                          uncentre(per_head(wc), w_sum, ref_w), joint)
 

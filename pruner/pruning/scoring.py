@@ -68,13 +68,16 @@ class Scorer:
 
 # --------------------------------------------------------------------------- output-side quantities
 
-def _moments(inputs: ScoringInputs):
-    """Per layer mean and covariance of o, u (sink channel) and w (content channel)."""
+def _moments(inputs: ScoringInputs, channels: tuple[str, ...]):
+    """Per layer mean and covariance of o, u (sink channel) and w (content channel), as `channels` asks."""
+    if any(k != "o" and not inputs.stats.outputs[0].uu.numel() for k in channels):
+        raise ValueError("the sink and content channels' energies need their second moments: capture with "
+                         "CaptureConfig(channels=True)")
     out = []
     for m in inputs.stats.outputs:
         n = m.tokens
-        mean = {k: getattr(m, k) / n for k in ("o", "u", "w")}  # (H, d)
-        cov = {k: getattr(m, k + k) / n - torch.einsum("hd,he->hde", mean[k], mean[k]) for k in ("o", "u", "w")}
+        mean = {k: getattr(m, k) / n for k in channels}  # (H, d)
+        cov = {k: getattr(m, k + k) / n - torch.einsum("hd,he->hde", mean[k], mean[k]) for k in channels}
         out.append((mean, cov))
     return out
 
@@ -86,8 +89,9 @@ def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
     W_O,h (o_h - E o_h): `o` is that perturbation's energy, `u` the part of it in
     the sink channel, `w` the part in the content channel (o = u + w).
     """
-    res = {k: [] for k in ("o", "u", "w")}
-    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+    channels = ("o", "u", "w") if inputs.stats.outputs[0].uu.numel() else ("o",)
+    res = {k: [] for k in channels}
+    for (mean, cov), g in zip(_moments(inputs, channels), inputs.gram):
         for k in res:
             res[k].append(torch.einsum("hde,hed->h", g, cov[k]))
     return {k: torch.stack(v).clamp_min(0) for k, v in res.items()}
@@ -114,7 +118,7 @@ def cross_energy(outputs: list, o_gram: Tensor) -> Tensor:
 def _flap(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     """FLAP: per channel variance around the calibration mean x squared column norm, summed per head."""
     rows = []
-    for (mean, cov), g in zip(_moments(inputs), inputs.gram):
+    for (mean, cov), g in zip(_moments(inputs, ("o",)), inputs.gram):
         var = torch.diagonal(cov["o"], dim1=-2, dim2=-1)  # (H, d)
         col_sq = torch.diagonal(g, dim1=-2, dim2=-1)      # ||W_O[:, c]||^2
         rows.append((var * col_sq).sum(-1))

@@ -65,6 +65,7 @@ class Sizes:
     gradient: bool = False         # the gradient scorer's backward pass
     across_layers: bool = False    # pair matrices between all heads of the model (analyze)
     folds: int = 0                 # the output moments per calibration fold (refit's ridge `auto`)
+    channels: bool = False         # the sink / content channels' second moments (CaptureConfig.channels)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def statistics_bytes(model, sizes: Sizes) -> int:
     if sizes.across_layers:
         L, H = 1, s["L"] * s["H"]
     pairs = 2 * sizes.pair_metrics * H * H + 16 * H  # two conventions; per-head sums
-    moments = (3 * H * D + 3 * H * D * D + (H * D) ** 2) if sizes.outputs else 0
+    moments = (3 * H * D + (3 if sizes.channels else 1) * H * D * D + (H * D) ** 2) if sizes.outputs else 0
     moments += sizes.folds * (1 + H * D + (H * D) ** 2)
     return 2 * L * (pairs + moments) * 8
 
