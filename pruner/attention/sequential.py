@@ -29,12 +29,14 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
                       onloader: Onloader, device: str | torch.device = "cpu", batch_size: int = 8,
                       progress: bool = False, storage: str | torch.device = "cpu",
                       on_layer: Callable[[int], None] | None = None,
-                      rerun: Callable[[int, LayerStats], AbstractContextManager | None] | None = None) -> HeadStats:
+                      rerun: Callable[[int, LayerStats], AbstractContextManager | None] | None = None
+                      ) -> HeadStats | None:
     """`capture_stats` with one block resident at a time (see the module docstring). `on_layer(layer)` runs
     while the layer's block is still in memory (what a caller reads off its weights). `rerun(layer, sums)`,
     given the layer's finished sums (over every process), may return a context -- the block pruned and
     compensated, say -- in which the layer's batches run again, uncaptured, for the next block to see
-    (`pruner.core.layerwise.run_blocks`)."""
+    (`pruner.core.layerwise.run_blocks`); the sums are then the caller's: they are not kept, and nothing
+    is returned (one layer's sums in memory at a time, each reduced over processes once)."""
     if sinks.mode == "auto" or config.across_layers:
         raise ValueError("capture.onload: sequential captures pruning's statistics; auto sinks and the model-wide "
                          "pairs of `analyze` need every layer at once (capture.onload: all)")
@@ -59,7 +61,7 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
                 cap.layers[layer] = cap.layers[layer].to("cpu")
 
         def again(layer: int) -> AbstractContextManager | None:
-            return rerun(layer, distributed.reduce_tree(cap.layers[layer]))
+            return rerun(layer, distributed.reduce_tree(cap.layers.pop(layer)))
 
         run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer, bar,
                    None if rerun is None else again)
@@ -67,4 +69,4 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
             cap.add_residual(view)
     if bar is not None:
         bar.close()
-    return cap.result()
+    return None if rerun is not None else cap.result()

@@ -116,17 +116,17 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
     parts = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     nll, count, emb = [], [], []
     if onloader is None:
+        if within is not None:
+            raise ValueError("within: a per-block scope is for the layer-by-layer pass (onloader)")
         for idx in (tqdm(parts, desc="perplexity", unit="batch") if progress else parts):
-            if within is not None:
-                raise ValueError("within: a per-block scope is for the layer-by-layer pass (onloader)")
             out = forward(model, windows.input_ids[idx], windows.attention_mask[idx], output_hidden_states=pool)
             _score(out, windows, idx, causal, pool, nll, count, emb)
     else:
         calls = first_block_calls(model, [(windows.input_ids[idx], windows.attention_mask[idx]) for idx in parts],
                                   device)
-        bar = tqdm(total=len(arch.blocks(model)), desc="perplexity (layer by layer)", unit="layer") \
-            if progress else None
-        run_blocks(onloader, calls, len(arch.blocks(model)), device, progress=bar, within=within)
+        n_layers = len(arch.blocks(model))
+        bar = tqdm(total=n_layers, desc="perplexity (layer by layer)", unit="layer") if progress else None
+        run_blocks(onloader, calls, n_layers, device, progress=bar, within=within)
         if bar is not None:
             bar.close()
         with replayed(model) as replay:

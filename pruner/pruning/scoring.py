@@ -68,9 +68,14 @@ class Scorer:
 
 # --------------------------------------------------------------------------- output-side quantities
 
+def _has_channels(inputs: ScoringInputs) -> bool:
+    """Whether the sink and content channels' second moments were captured (`CaptureConfig(channels=True)`)."""
+    return bool(inputs.stats.outputs[0].uu.numel())
+
+
 def _moments(inputs: ScoringInputs, channels: tuple[str, ...]):
     """Per layer mean and covariance of o, u (sink channel) and w (content channel), as `channels` asks."""
-    if any(k != "o" and not inputs.stats.outputs[0].uu.numel() for k in channels):
+    if any(k != "o" for k in channels) and not _has_channels(inputs):
         raise ValueError("the sink and content channels' energies need their second moments: capture with "
                          "CaptureConfig(channels=True)")
     out = []
@@ -89,7 +94,7 @@ def fluctuation_exact(inputs: ScoringInputs) -> dict[str, Tensor]:
     W_O,h (o_h - E o_h): `o` is that perturbation's energy, `u` the part of it in
     the sink channel, `w` the part in the content channel (o = u + w).
     """
-    channels = ("o", "u", "w") if inputs.stats.outputs[0].uu.numel() else ("o",)
+    channels = ("o", "u", "w") if _has_channels(inputs) else ("o",)
     res = {k: [] for k in channels}
     for (mean, cov), g in zip(_moments(inputs, channels), inputs.gram):
         for k in res:

@@ -144,18 +144,17 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
         raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
                          "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
                          "this model, or use compensation='zero'")
-    if session is not None and session.onloader is not None:  # the blocks stay on disk (capture.onload: sequential)
-        return _compensation_layerwise(model, plan_heads, spec, inputs, session)
     if kind == "refit" and spec.refit_mode == "sequential":
         if session is None:
             raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
                              "refit_mode='oneshot' with pruner.apply")
         r = session.recipe
-        if not getattr(model, "hf_device_map", None):  # one pass, each block refitted as it is captured
+        if session.onloader is not None or not getattr(model, "hf_device_map", None):
+            # one pass, each block refitted as it is captured: read from disk, or held in memory
+            onloader = session.onloader or Resident(model, next(model.parameters()).device)
             return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer,
-                                  Resident(model, next(model.parameters()).device), ridge=spec.ridge,
-                                  folds=spec.folds, chunk_size=r.capture.chunk_size,
-                                  batch_size=r.calibration.batch_size)
+                                  onloader, ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
+                                  device=onloader.device, batch_size=r.calibration.batch_size)
         # spread over devices (device_map): a whole-model capture per pruned layer
         cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True,
                             folds=spec.folds if spec.ridge == "auto" else 0)
@@ -166,18 +165,15 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
                                           batch_size=r.calibration.batch_size)
             return last["stats"].outputs
         return refit_sequential(model, plan_heads, collect, spec.ridge, lambda: last["stats"].folds)
+    if session is not None and session.onloader is not None:  # the blocks stay on disk (capture.onload: sequential)
+        return _compensation_layerwise(model, plan_heads, spec, inputs, session.onloader)
     return compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge, inputs.stats.folds)
 
 
 def _compensation_layerwise(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs,
-                            session: Session) -> surgery.Compensation:
-    """`compensation` with one block in memory at a time: each layer's is computed from its own weights while its
-    block is onloaded (the same function on the same numbers as with the whole model resident)."""
-    onloader, r = session.onloader, session.recipe
-    if spec.compensation == "refit" and spec.refit_mode == "sequential":
-        return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer, onloader,
-                              ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
-                              device=onloader.device, batch_size=r.calibration.batch_size)
+                            onloader) -> surgery.Compensation:
+    """Mean or one-shot refit compensation with one block in memory at a time: each layer's is computed from its
+    own weights while its block is onloaded (the same function on the same numbers as with the whole model)."""
     out = surgery.Compensation(spec.compensation)
     for layer in sorted(k for k, v in plan_heads.items() if v):
         onloader.onload(layer)
