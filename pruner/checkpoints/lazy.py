@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pruner.checkpoints import loading
 from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.core import arch
 
@@ -26,10 +27,10 @@ class LazyBlocks:
         from accelerate import init_empty_weights
 
         self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
+        self.config, self.cls = config, cls
+        self.zero_missing_bias = False  # set by a writer that gave every block a bias the checkpoint lacks
         self.where = check_shards(self.folder)
-        with init_empty_weights(include_buffers=False):
-            self.model = cls.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        self.model.eval()
+        self.model = self.skeleton(config)
         names = {id(m): n for n, m in self.model.named_modules()}
         self.prefixes = [names[id(b)] + "." for b in arch.blocks(self.model)]
         self.prefix = self.model.base_model_prefix + "."
@@ -40,6 +41,18 @@ class LazyBlocks:
                 and not any(n.startswith(p) for p in self.prefixes)]
         if left:
             raise CheckpointError(f"{self.folder}: the checkpoint has no weights for {', '.join(left[:3])}")
+
+    def skeleton(self, config=None) -> torch.nn.Module:
+        """The model with no weights in memory (meta tensors; buffers such as rotary tables real), built from
+        `config` (default: a copy of the checkpoint's, so surgery on the skeleton leaves this model's alone)."""
+        import copy
+
+        from accelerate import init_empty_weights
+
+        config = copy.deepcopy(self.config) if config is None else config
+        build = getattr(self.cls, "from_config", None) or self.cls._from_config  # Auto class or a concrete one
+        with init_empty_weights(include_buffers=False):
+            return build(config, dtype=self.dtype, attn_implementation="sdpa").eval()
 
     def _key(self, name: str) -> str | None:
         """The checkpoint's name for a model tensor (with or without the base model's prefix)."""
@@ -65,8 +78,13 @@ class LazyBlocks:
     def onload(self, layer: int) -> torch.nn.Module:
         block = arch.blocks(self.model)[layer]
         prefix = self.prefixes[layer]
-        keys = [prefix + k for k in block.state_dict()]
-        self._assign(block, {k.removeprefix(prefix): self._read(k) for k in keys})
+        state = {}
+        for k, v in block.state_dict().items():
+            if self._key(prefix + k) is None and self.zero_missing_bias and k.endswith("bias"):
+                state[k] = torch.zeros(v.shape, dtype=self.dtype)  # a bias the surgery added (zero until set)
+            else:
+                state[k] = self._read(prefix + k)
+        self._assign(block, state)
         return block
 
     def offload(self, layer: int) -> None:
@@ -74,10 +92,15 @@ class LazyBlocks:
 
 
 def lazy_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> LazyBlocks:
-    """`LazyBlocks` of a vanilla checkpoint folder, its Auto class chosen as `pruner.load` would."""
+    """`LazyBlocks` of a checkpoint folder, its class chosen as `pruner.load` would: transformers' Auto class for
+    a vanilla checkpoint, pruner's packaged class for a per-layer one (no remote code)."""
     from transformers import AutoConfig
 
     from pruner.core.runtime import auto_class
 
+    d = loading.read_config(folder)
+    if loading.is_per_layer(d):
+        cls = loading.per_layer_class(folder, d)
+        return LazyBlocks(folder, cls.config_class.from_pretrained(folder), cls, getattr(torch, dtype), device)
     config = AutoConfig.from_pretrained(folder)
     return LazyBlocks(folder, config, auto_class(config), getattr(torch, dtype), device)

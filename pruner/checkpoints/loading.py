@@ -188,7 +188,7 @@ def is_per_layer(config: dict) -> bool:
     return modeling.FORMAT_KEY in config
 
 
-def _per_layer_class(path, d: dict):
+def per_layer_class(path, d: dict):
     """pruner's packaged class for a per-layer checkpoint's config.json (format version checked)."""
     version = d[modeling.FORMAT_KEY]
     if version != modeling.FORMAT:
@@ -201,7 +201,7 @@ def _per_layer_class(path, d: dict):
 def load_config(path: str | Path):
     """A per-layer checkpoint's config as pruner's packaged config class (no remote code)."""
     folder = resolve(str(path))
-    return _per_layer_class(path, read_config(folder)).config_class.from_pretrained(folder)
+    return per_layer_class(path, read_config(folder)).config_class.from_pretrained(folder)
 
 
 def load(path: str | Path, dtype: str | None = None, device: str | None = None, **kwargs):
@@ -219,7 +219,7 @@ def load(path: str | Path, dtype: str | None = None, device: str | None = None, 
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if is_per_layer(d):
-        cls = _per_layer_class(path, d)
+        cls = per_layer_class(path, d)
         config = cls.config_class.from_pretrained(folder)
         build = lambda: cls(config)  # noqa: E731
     else:

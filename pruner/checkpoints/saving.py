@@ -73,11 +73,11 @@ def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None
     return Saved(kind, why, str(store).removeprefix("torch."), max_diff, storage_diff, generation, routes)
 
 
-def _check_ids(model) -> torch.Tensor:
+def check_ids(model) -> torch.Tensor:
     return torch.randint(3, model.config.vocab_size, (2, CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
 
 
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = runtime.forward(model, ids, torch.ones_like(ids))
     return (out.logits if hasattr(out, "logits") else out.last_hidden_state).float().cpu()
@@ -114,11 +114,11 @@ def verify(model, folder: Path, kind: str, store: torch.dtype) -> tuple[float, f
     generation identical or None, routes). Raises CheckpointError on a mismatch.
     """
     device = runtime.input_device(model)
-    ids = _check_ids(model).to(device)
+    ids = check_ids(model).to(device)
     causal = runtime.is_causal(SimpleNamespace(**loading.read_config(folder)))  # as written (tiny models lack architectures)
-    exact = _logits(model, ids)
+    exact = logits(model, ids)
     with rounded_to(model, store):
-        want = _logits(model, ids)
+        want = logits(model, ids)
         tokens = greedy(model, ids[:, :8]) if causal else None
     storage_diff = (want - exact).abs().max().item()
     worst, routes = 0.0, []
@@ -127,7 +127,7 @@ def verify(model, folder: Path, kind: str, store: torch.dtype) -> tuple[float, f
         if not getattr(model, "hf_device_map", None):
             reloaded = reloaded.to(device)
         reloaded.eval()
-        diff = (_logits(reloaded, ids) - want).abs().max().item()
+        diff = (logits(reloaded, ids) - want).abs().max().item()
         if not diff <= ATOL:
             raise CheckpointError(f"the written checkpoint reloads ({name}) with logits off by {diff:.2e} "
                                   f"(more than {ATOL:g}); nothing was published")

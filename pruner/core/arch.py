@@ -95,9 +95,19 @@ def set_attr(module, path: str, value) -> None:
     setattr(reduce(getattr, parent, module), name, value)
 
 
+def layers_path(model) -> str:
+    """Where the blocks sit under the base model -- also in a pruner per-layer checkpoint (`pruned_<family>`),
+    which a layer-by-layer pass reads back to check it."""
+    cfg = model.config
+    family = cfg.model_type.removeprefix("pruned_")
+    if getattr(cfg, "pruner_format", None) and family in ADAPTERS:
+        return ADAPTERS[family].layers
+    return adapter_for(model).layers
+
+
 def blocks(model) -> list:
     """The transformer blocks, in order."""
-    return list(get(model.base_model, adapter_for(model).layers))
+    return list(get(model.base_model, layers_path(model)))
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from pruner.core import arch
-from pruner.core.runtime import forward
+from pruner.core.runtime import forward, forward_parameters
 
 
 class _Stop(Exception):
@@ -48,6 +48,7 @@ class BlockCall:
 
     hidden: torch.Tensor
     kwargs: dict
+    args: tuple = ()  # what the model passes after the hidden states by position (GPT-2: cache, causal mask)
 
 
 class Onloader(Protocol):
@@ -70,19 +71,21 @@ class Resident:
 
 
 @torch.no_grad()
-def _through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
+def through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
     """One block call: `hidden` (B, T, d_model) through `block` on `device`, back where `hidden` was."""
-    out = block(hidden.to(device), **_move(call.kwargs, device))
+    out = block(hidden.to(device), *_move(call.args, device), **_move(call.kwargs, device))
     return (out[0] if isinstance(out, tuple) else out).to(hidden.device)
 
 
 @torch.no_grad()
 def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device,
-                      storage: str | torch.device = "cpu") -> list[BlockCall]:
+                      storage: str | torch.device = "cpu", cache=None) -> list[BlockCall]:
     """What block 0 receives for each (input_ids, attention_mask) batch, by running the model's body up to it.
 
     Only the modules before the first block (embeddings, rotary tables, mask construction) need to be
-    materialised on `device`. The calls are kept on `storage`.
+    materialised on `device`. The calls are kept on `storage`. With a KV `cache` (one batch), the batch
+    continues what the cache holds (its mask covers the cached tokens too) and every block the calls then
+    run through appends its keys and values to the cache: decoding, a block at a time.
     """
     block0 = arch.blocks(model)[0]
     calls: list[BlockCall] = []
@@ -90,14 +93,19 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     def hook(module, args, kwargs):
         kw = dict(kwargs)
         hidden = args[0] if args else kw.pop("hidden_states")
-        calls.append(BlockCall(hidden.to(storage), _move(kw, storage)))
+        calls.append(BlockCall(hidden.to(storage), _move(kw, storage), _move(tuple(args[1:]), storage)))
         raise _Stop
 
     handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for ids, mask in batches:
             try:
-                forward(model.base_model, ids.to(device), mask.to(device), use_cache=False)
+                if cache is None:
+                    forward(model.base_model, ids.to(device), mask.to(device), use_cache=False)
+                else:  # positions follow the cache's length
+                    name = "cache" if "cache" in forward_parameters(type(model.base_model)) else "past_key_values"
+                    model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
+                                     **{name: cache})
             except _Stop:
                 pass
     finally:
@@ -127,14 +135,14 @@ def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device
             for i, call in enumerate(calls):
                 if before_call is not None:
                     before_call(layer, i)
-                call.hidden = _through(block, call.hidden, call, device)
+                call.hidden = through(block, call.hidden, call, device)
         if after_layer is not None:
             after_layer(layer)
         scope = rerun(layer) if rerun is not None else None
         if scope is not None:
             with scope:
                 for call, x in zip(calls, inputs):
-                    call.hidden = _through(block, x, call, device)
+                    call.hidden = through(block, x, call, device)
         del inputs
         onloader.offload(layer)
         if progress is not None:
@@ -159,7 +167,7 @@ def replayed(model) -> Iterator[_Replay]:
     """The model with its blocks swapped for replays: `replay.hidden = h` (B, T, d_model), the last block's
     output, and a forward runs the model's own code after the blocks (final norm, LM head, pooling) on it.
     What a layer-by-layer pass needs to finish, with no block resident; the blocks are put back after."""
-    layers = arch.get(model.base_model, arch.adapter_for(model).layers)
+    layers = arch.get(model.base_model, arch.layers_path(model))
     kept = list(layers)
     replays = [_Replay(i == 0) for i in range(len(kept))]
     try:

@@ -139,7 +139,7 @@ def _add_bias(model, layer: int, delta: torch.Tensor) -> None:
     o_proj = arch.get(arch.blocks(model)[layer], ad.o_proj)
     if o_proj.bias is None:
         if ad.bias_flag is not None and hasattr(model.config, ad.bias_flag):
-            _enable_attention_bias(model)
+            enable_attention_bias(model)
         else:
             # in memory this is exact; `export` refuses it, since the vanilla config cannot hold it
             o_proj.bias = nn.Parameter(torch.zeros(o_proj.weight.shape[0], dtype=o_proj.weight.dtype,
@@ -149,7 +149,7 @@ def _add_bias(model, layer: int, delta: torch.Tensor) -> None:
         o_proj.bias += delta.to(o_proj.bias.device, o_proj.bias.dtype)  # deltas are computed on the CPU
 
 
-def _enable_attention_bias(model) -> None:
+def enable_attention_bias(model) -> None:
     """Turn on the config's attention-bias flag: zero biases on every q, k, v and o projection."""
     ad = arch.adapter_for(model)
     setattr(model.config, ad.bias_flag, True)

@@ -1,0 +1,185 @@
+"""Writing a pruned checkpoint one block at a time: `pruner prune` on a model larger than memory.
+
+`saving.save` needs the pruned model in memory. Here the base's blocks stay in its safetensors
+(`LazyBlocks`), and the same surgery functions run on one block at a time:
+
+1. **Dry run** (`dry_run`): the surgery on a skeleton of the model (meta tensors, no memory) fixes the
+   layout, the config and the parameter count before anything is written; a surgery that cannot be
+   done or a layout no file can hold fails here, in one line.
+2. **Write**: each block is read, pruned with its layer's compensation, written as its own shard in the
+   storage dtype, run on the check tokens (in the model's dtype, and rounded to the storage dtype), and
+   released; then the weights outside the blocks (tied ones once, as `save_pretrained` writes them),
+   config.json, the shard index and the tokenizer.
+3. **Check**, as `saving.verify` does for a model in memory, block by block: the written folder is read
+   back a block at a time (pruner's own classes: no remote code) and its logits must equal the pruned
+   model's, rounded to the storage dtype, within `saving.ATOL`; for a causal LM, its next-token
+   predictions with the KV cache (8 tokens cached, then 8 more through the cache) must equal those
+   without it -- the cache is where the written head counts would show a mismatch.
+
+Peak memory: the weights outside the blocks, one block (and its storage-dtype copy when the dtypes
+differ), the check tokens' hidden states. The written shards are one per block plus one for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pruner.checkpoints import layout as forms
+from pruner.checkpoints import modeling, saving
+from pruner.checkpoints.lazy import LazyBlocks, lazy_model
+from pruner.checkpoints.storage import CheckpointError, rounded_to
+from pruner.core import arch, runtime
+from pruner.core.layerwise import first_block_calls, replayed, run_blocks, through
+from pruner.pruning import surgery
+
+CACHED = 8  # tokens the KV-cache check puts in the cache before the rest go through it
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What the surgery makes of the model, from the skeleton: written before any weight is."""
+
+    layout: str                   # dense | vanilla | per-layer
+    why_per_layer: str | None
+    config: object                # the config.json to write
+    architecture: str             # the class config.json names
+    params: int                   # parameters of the pruned model
+    bias: bool                    # the surgery turns on the config's attention bias (every block gets one)
+
+
+def dry_run(lazy: LazyBlocks, heads: dict[int, list[int]], comp: surgery.Compensation, removed: bool) -> Planned:
+    """The surgery on a weightless skeleton: the layout, config and size of the pruned model, or the error."""
+    sk = lazy.skeleton()
+    (surgery.remove_heads if removed else surgery.mask_heads)(sk, {k: v for k, v in heads.items() if v}, comp)
+    kind, why = forms.layout(sk, removed)
+    if kind == "per-layer":
+        config = forms.per_layer_config(sk)
+        name = modeling.per_layer_class(sk.config.model_type, type(sk).__name__).__name__
+    else:
+        config, name = sk.config, type(sk).__name__
+        if kind == "vanilla" and forms.removed_any(sk):
+            for key, value in forms.vanilla_updates(sk).items():
+                setattr(config, key, value)
+    flag = arch.adapter_for(sk).bias_flag
+    bias = flag is not None and bool(getattr(sk.config, flag, False)) and not getattr(lazy.model.config, flag, False)
+    return Planned(kind, why, config, name, sum(p.numel() for p in sk.parameters()), bias)
+
+
+def shard_name(i: int, total: int) -> str:
+    return f"model-{i:05d}-of-{total:05d}.safetensors"
+
+
+def _finish(model, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) from the last block's output, by the model's own code after the blocks."""
+    with replayed(model) as replay:
+        replay.hidden = hidden
+        return saving.logits(model, ids)
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path, store: torch.dtype, index: dict) -> None:
+    from safetensors.torch import save_file
+
+    out = {k: (v.to("cpu", store) if v.is_floating_point() else v.cpu()).contiguous() for k, v in tensors.items()}
+    save_file(out, str(path), metadata={"format": "pt"})
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in out.values())
+    index["weight_map"].update(dict.fromkeys(out, path.name))
+
+
+def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, list[int]],
+                  comp: surgery.Compensation | None, removed: bool, dtype: str | None = None,
+                  progress: bool = False) -> saving.Saved:
+    """Prune `lazy`'s model block by block into `folder` (an existing, empty folder) and prove it reloads.
+
+    The same checkpoint `saving.save` writes for the pruned model in memory (the same tensors, config and
+    layout; one shard per block). Leaves `lazy.model`'s blocks pruned (on the meta device): it is spent.
+    Raises CheckpointError when no layout holds the model or the written files do not reproduce it.
+    """
+    from tqdm.auto import tqdm
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    folder, comp = Path(folder), surgery.as_compensation(comp)
+    heads = {k: v for k, v in heads.items() if v}
+    planned = dry_run(lazy, heads, comp, removed)
+    model, device = lazy.model, lazy.device
+    if planned.bias:  # every block gets the (zero) biases the config will declare, before any is written
+        surgery.enable_attention_bias(model)
+        lazy.zero_missing_bias = True
+    store = getattr(torch, dtype) if dtype else lazy.dtype
+    ids = saving.check_ids(model).to(device)  # (2, CHECK_TOKENS)
+    mask = torch.ones_like(ids)
+    exact = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
+    with rounded_to(model, store):
+        rounded = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
+    blocks = arch.blocks(model)
+    total = len(blocks) + 1
+    index = {"metadata": {"total_size": 0}, "weight_map": {}}
+    bar = tqdm(total=len(blocks), desc="writing model/ (layer by layer)", unit="layer") if progress else None
+    for layer in range(len(blocks)):
+        block = lazy.onload(layer)
+        if layer in heads:
+            (surgery.remove_heads if removed else surgery.mask_heads)(model, {layer: heads[layer]}, comp)
+        _write({lazy.prefixes[layer] + k: v for k, v in block.state_dict().items()},
+               folder / shard_name(layer + 1, total), store, index)
+        exact.hidden = through(block, exact.hidden, exact, device)
+        with rounded_to(block, store):
+            rounded.hidden = through(block, rounded.hidden, rounded, device)
+        lazy.offload(layer)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    rest = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p) for p in lazy.prefixes)}
+    _write(remove_tied_weights_from_state_dict(rest, model), folder / shard_name(total, total), store, index)
+    config = planned.config
+    config.architectures, config.dtype = [planned.architecture], str(store).removeprefix("torch.")
+    config.save_pretrained(folder)
+    if planned.layout == "per-layer":
+        family = model.config.model_type
+        shutil.copyfile(modeling.source(family), folder / modeling.file_name(family))
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    tokenizer.save_pretrained(folder)
+    got = _finish(model, ids, exact.hidden)
+    with rounded_to(model, store):
+        want = _finish(model, ids, rounded.hidden)
+    max_diff, generation, route = verify_streamed(folder, lazy.dtype, device, ids, want)
+    return saving.Saved(planned.layout, planned.why_per_layer, str(store).removeprefix("torch."), max_diff,
+                        (want - got).abs().max().item(), generation, (route,))
+
+
+def _logits_streamed(back: LazyBlocks, ids: torch.Tensor, device, cache=None, mask=None) -> torch.Tensor:
+    """A checkpoint's logits for `ids`, a block at a time (through `cache` when given; `mask` covers it)."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    calls = first_block_calls(back.model, [(ids, mask)], device, storage=device, cache=cache)
+    run_blocks(back, calls, len(arch.blocks(back.model)), device)
+    return _finish(back.model, ids, calls[0].hidden)
+
+
+def verify_streamed(folder: Path, dtype: torch.dtype, device, ids: torch.Tensor,
+                    want: torch.Tensor) -> tuple[float, bool | None, str]:
+    """Read `folder` back a block at a time: logits within ATOL of `want` (B, T, V), and for a causal LM the
+    same next-token predictions through the KV cache as without it. Returns (max diff, generation, route)."""
+    back = lazy_model(folder, str(dtype).removeprefix("torch."), str(device))
+    name = f"pruner layer by layer ({back.cls.__name__})"
+    got = _logits_streamed(back, ids, device)
+    diff = (got - want).abs().max().item()
+    if not diff <= saving.ATOL:
+        raise CheckpointError(f"the written checkpoint reloads ({name}) with logits off by {diff:.2e} "
+                              f"(more than {saving.ATOL:g}); nothing was published")
+    if not runtime.attends_causally(back.model):
+        return diff, None, name
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=back.model.config)
+    _logits_streamed(back, ids[:, :CACHED], device, cache)
+    cached = _logits_streamed(back, ids[:, CACHED:], device, cache, mask=torch.ones_like(ids))
+    if not torch.equal(cached.argmax(-1), got[:, CACHED:].argmax(-1)):
+        raise CheckpointError(f"the written checkpoint ({name}) predicts different next tokens through the KV "
+                              "cache than without it; nothing was published")
+    return diff, True, name
