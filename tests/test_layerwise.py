@@ -47,16 +47,40 @@ def worst_relative(a, b) -> float:
     return out
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert"])
-def test_layer_by_layer_equals_all_resident_on_every_family(family):
+def test_layer_by_layer_equals_all_resident_on_every_family(family, side):
+    """Left padding too: the blocks must get the model's own attention mask (GPT-2 passes it by position)."""
     model = tiny_model(family)
-    batch = pad(ragged_batch(seed=3, n=13, max_len=30), 0)
+    batch = pad(ragged_batch(seed=3, n=13, max_len=30), 0, side)
     sinks = SinkSpec("first")
     cfg = CaptureConfig(metrics=("cosine", "js"), outputs=True, folds=3, channels=family == "llama")
     a = capture_stats(model, batch, sinks, config=cfg, batch_size=4)
     b = capture_layerwise(model, batch, sinks, None, cfg, Resident(model, "cpu"), batch_size=4)
     assert worst_relative(a, b) <= 1e-10
     assert bool(a.outputs[0].uu.numel()) == cfg.channels
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert"])
+def test_blocks_one_at_a_time_give_the_whole_models_logits_with_left_padding(family):
+    """Every block gets what the model itself passes it, by keyword or by position (GPT-2 passes its causal mask
+    by position: without it, real tokens would attend to the left padding)."""
+    from pruner.core import arch
+    from pruner.core.layerwise import first_block_calls, replayed, run_blocks
+    from pruner.core.runtime import forward
+
+    model = tiny_model(family)
+    batch = pad(ragged_batch(seed=5, n=6, max_len=24), 0, "left")
+    ids, mask = batch.input_ids, batch.attention_mask
+    calls = first_block_calls(model, [(ids, mask)], "cpu")
+    run_blocks(Resident(model, "cpu"), calls, len(arch.blocks(model)), "cpu")
+    with replayed(model) as replay:
+        replay.hidden = calls[0].hidden
+        got = forward(model, ids, mask)
+    want = forward(model, ids, mask)
+    got, want = (getattr(x, "logits", None) if hasattr(x, "logits") else x.last_hidden_state for x in (got, want))
+    real = mask.bool()
+    assert torch.equal(got[real], want[real])
 
 
 @pytest.mark.parametrize("name", ["minilm-causal", "gpt2-shakespeare", "llama-shakespeare"])
@@ -150,17 +174,41 @@ def test_one_pass_sequential_refit_reads_blocks_from_disk():
     assert all(torch.equal(a.weight[k], b.weight[k]) for k in a.weight) and a.fits == b.fits
 
 
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
 @pytest.mark.parametrize("recipe", ["quickstart", "llama-shakespeare"])
-def test_prune_layer_by_layer_writes_the_same_plan(recipe, tmp_path):
+def test_prune_and_export_layer_by_layer_never_load_the_whole_model(recipe, tmp_path, monkeypatch):
+    """`pruner prune` with the blocks on disk -- calibration, perplexity, compensation, surgery and the written
+    model/ one block at a time, the whole-model loader never called -- and then `pruner export` the same way:
+    the plan, the perplexities and every written tensor of the whole-model run."""
+    from pruner.checkpoints import loading
+
     runs = {}
     for mode in ("all", "sequential"):
+        if mode == "sequential":
+            monkeypatch.setattr(loading, "load_base", lambda *a, **k: (_ for _ in ()).throw(
+                AssertionError("the whole model was loaded")))
         out = tmp_path / mode
         assert main(["prune", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
-                     "--set", f"capture.onload={mode}", "--set", "surgery.mode=mask"] + QUICK) == 0
+                     "--set", f"capture.onload={mode}"] + QUICK) == 0
+        assert main(["export", str(out), "--format", "dense", "--out", str(tmp_path / f"dense-{mode}")]) == 0
         runs[mode] = out
     assert (runs["all"] / "plan.json").read_text() == (runs["sequential"] / "plan.json").read_text()
-    a, b = (json.loads((runs[m] / "metrics.json").read_text())["evaluation"] for m in ("all", "sequential"))
-    assert a["pruned"] == pytest.approx(b["pruned"], rel=1e-9) and a["base"] == b["base"]
+    a, b = (json.loads((runs[m] / "metrics.json").read_text()) for m in ("all", "sequential"))
+    assert a["evaluation"]["pruned"] == pytest.approx(b["evaluation"]["pruned"], rel=1e-9)
+    assert a["evaluation"]["base"] == b["evaluation"]["base"]
+    assert (a["params_after"], a["model_layout"]) == (b["params_after"], b["model_layout"])
+    assert "layer_by_layer" in b and "layer_by_layer" not in a
+    for x, y in ((runs["all"] / "model", runs["sequential"] / "model"), (tmp_path / "dense-all", tmp_path / "dense-sequential")):
+        wa, wb = weights(x), weights(y)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+        assert json.loads((x / "config.json").read_text()) == json.loads((y / "config.json").read_text())
+    layers = json.loads((runs["sequential"] / "model" / "config.json").read_text())["num_hidden_layers"]
+    assert len(list((runs["sequential"] / "model").glob("model-*.safetensors"))) == layers + 1  # a shard per block
 
 
 def test_a_corrupt_or_truncated_shard_is_named_before_any_work(tmp_path, capsys):

@@ -60,6 +60,8 @@ class Result:
     recipe: Recipe = field(repr=False)
     compensation: Any = field(default=None, repr=False)  # surgery.Compensation: what the pruned heads left behind
     provenance: dict | None = field(default=None, repr=False)  # provenance.json: what the run was made from
+    onloader: Any = field(default=None, repr=False)  # layer by layer (capture.onload: sequential): `model` is the base
+    # with its blocks on disk, and `save` prunes them block by block as it writes model/
 
     @property
     def bias(self):
@@ -98,8 +100,10 @@ def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None,
 def _prune(call: Call, progress: bool, checkpoint_dir=None) -> Result:
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
-    done = pipeline.run(call.session(progress, checkpoints=checkpoints), progress)
-    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov)
+    session = call.session(progress, checkpoints=checkpoints, whole_model=bool(call.recipe.evaluation.tasks))
+    done = pipeline.run(session, progress)
+    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov,
+                  done.onloader)
 
 
 @dataclass

@@ -20,12 +20,17 @@ from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.core import arch
 
 
+def saved_names(model, names: list[str]) -> list[str]:
+    """The names `save_pretrained` writes model tensors under (transformers' weight renamings reverted)."""
+    from transformers.modeling_utils import revert_weight_conversion
+
+    return [next(iter(revert_weight_conversion(model, {n: torch.empty(0, device="meta")}))) for n in names]
+
+
 class LazyBlocks:
     """`pruner.core.layerwise.Onloader` over a checkpoint folder: `model` is ready to run but for its blocks."""
 
     def __init__(self, folder: str | Path, config, cls, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        from accelerate import init_empty_weights
-
         self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
         self.config, self.cls = config, cls
         self.zero_missing_bias = False  # set by a writer that gave every block a bias the checkpoint lacks
@@ -52,14 +57,18 @@ class LazyBlocks:
         config = copy.deepcopy(self.config) if config is None else config
         build = getattr(self.cls, "from_config", None) or self.cls._from_config  # Auto class or a concrete one
         with init_empty_weights(include_buffers=False):
-            return build(config, dtype=self.dtype, attn_implementation="sdpa").eval()
+            model = build(config, dtype=self.dtype, attn_implementation="sdpa").eval()
+        model.tie_weights()  # as from_pretrained does: tied parameters counted once
+        return model
 
     def _key(self, name: str) -> str | None:
-        """The checkpoint's name for a model tensor (with or without the base model's prefix)."""
+        """The checkpoint's name for a model tensor (with or without the base model's prefix, or under the name
+        transformers saves it by: GPT-NeoX's `lm_head` is `embed_out` on disk)."""
         for k in (name, self.prefix + name, name.removeprefix(self.prefix)):
             if k in self.where:
                 return k
-        return None
+        saved = saved_names(self.model, [name])[0]
+        return saved if saved in self.where else None
 
     def _read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -31,7 +31,7 @@ import torch
 
 from pruner.checkpoints import layout as forms
 from pruner.checkpoints import modeling, saving
-from pruner.checkpoints.lazy import LazyBlocks, lazy_model
+from pruner.checkpoints.lazy import LazyBlocks, lazy_model, saved_names
 from pruner.checkpoints.storage import CheckpointError, rounded_to
 from pruner.core import arch, runtime
 from pruner.core.layerwise import first_block_calls, replayed, run_blocks, through
@@ -81,10 +81,13 @@ def _finish(model, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return saving.logits(model, ids)
 
 
-def _write(tensors: dict[str, torch.Tensor], path: Path, store: torch.dtype, index: dict) -> None:
+def _write(tensors: dict[str, torch.Tensor], path: Path, store: torch.dtype, index: dict, names=None) -> None:
+    """`tensors` as one safetensors shard in `store`, under the names `names` gives them (default: their own)."""
     from safetensors.torch import save_file
 
-    out = {k: (v.to("cpu", store) if v.is_floating_point() else v.cpu()).contiguous() for k, v in tensors.items()}
+    keys = names(list(tensors)) if names is not None else list(tensors)
+    out = {k: (v.to("cpu", store) if v.is_floating_point() else v.cpu()).contiguous()
+           for k, v in zip(keys, tensors.values())}
     save_file(out, str(path), metadata={"format": "pt"})
     index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in out.values())
     index["weight_map"].update(dict.fromkeys(out, path.name))
@@ -92,7 +95,7 @@ def _write(tensors: dict[str, torch.Tensor], path: Path, store: torch.dtype, ind
 
 def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, list[int]],
                   comp: surgery.Compensation | None, removed: bool, dtype: str | None = None,
-                  progress: bool = False) -> saving.Saved:
+                  progress: bool = False, label: str = "model/") -> saving.Saved:
     """Prune `lazy`'s model block by block into `folder` (an existing, empty folder) and prove it reloads.
 
     The same checkpoint `saving.save` writes for the pruned model in memory (the same tensors, config and
@@ -117,14 +120,16 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
         rounded = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
     blocks = arch.blocks(model)
     total = len(blocks) + 1
+    # the names save_pretrained would write (GPT-NeoX's lm_head is embed_out); pruner's per-layer classes rename none
+    names = None if planned.layout == "per-layer" else (lambda keys: saved_names(model, keys))
     index = {"metadata": {"total_size": 0}, "weight_map": {}}
-    bar = tqdm(total=len(blocks), desc="writing model/ (layer by layer)", unit="layer") if progress else None
+    bar = tqdm(total=len(blocks), desc=f"writing {label} (layer by layer)", unit="layer") if progress else None
     for layer in range(len(blocks)):
         block = lazy.onload(layer)
         if layer in heads:
             (surgery.remove_heads if removed else surgery.mask_heads)(model, {layer: heads[layer]}, comp)
         _write({lazy.prefixes[layer] + k: v for k, v in block.state_dict().items()},
-               folder / shard_name(layer + 1, total), store, index)
+               folder / shard_name(layer + 1, total), store, index, names)
         exact.hidden = through(block, exact.hidden, exact, device)
         with rounded_to(block, store):
             rounded.hidden = through(block, rounded.hidden, rounded, device)
@@ -134,7 +139,7 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     if bar is not None:
         bar.close()
     rest = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p) for p in lazy.prefixes)}
-    _write(remove_tied_weights_from_state_dict(rest, model), folder / shard_name(total, total), store, index)
+    _write(remove_tied_weights_from_state_dict(rest, model), folder / shard_name(total, total), store, index, names)
     config = planned.config
     config.architectures, config.dtype = [planned.architecture], str(store).removeprefix("torch.")
     config.save_pretrained(folder)

@@ -79,6 +79,8 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"refit compensation ({fit['mode']}, {ridge}): the kept heads rebuild "
               f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
               f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
+    if m.get("layer_by_layer"):
+        print(f"layer by layer: {m['layer_by_layer']}")
     if m.get("bench"):
         from pruner.evaluation.bench import BenchResult
 

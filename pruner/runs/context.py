@@ -83,8 +83,8 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     recipe's data sources. With `evaluation`, the evaluation windows are built now,
     so unusable evaluation text fails before any calibration compute. `checkpoints`:
     where a resumable run keeps its stages (`pruner.core.resume`). `whole_model`: whether a later stage
-    needs the whole model in memory (surgery, saving, tasks); if so, a layer-by-layer run that could not
-    hold it is refused now.
+    needs the whole model in memory (downstream tasks); if so, a layer-by-layer run that could not hold it
+    is refused now.
     """
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
@@ -115,10 +115,9 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     return session
 
 
-def _load(recipe: Recipe):
-    """The recipe's model, and the onloader of its blocks when `capture.onload` resolves to sequential: then the
-    model is built without its blocks' weights, which stay in the checkpoint until calibration reads them."""
-
+def sequential_folder(recipe: Recipe) -> Path | None:
+    """The checkpoint folder a layer-by-layer pass reads the blocks from, when the recipe's `capture.onload`
+    resolves to sequential (None: the model is loaded whole)."""
     m = recipe.model
     device = distributed.local_device(m.device)
     folder = Path(assets.resolve(m.path)) if not m.mlm_readout and not m.device_map else None
@@ -126,14 +125,23 @@ def _load(recipe: Recipe):
     if recipe.capture.onload == "sequential" and folder is None:
         raise ValueError(f"capture.onload: sequential reads the blocks from a local checkpoint folder; {m.path} is not "
                          "one (download it first, e.g. `hf download ID --local-dir DIR`, and name the folder)")
-    if resources.onload_mode(recipe.capture.onload, folder, m.dtype, device) == "sequential":
+    return folder if resources.onload_mode(recipe.capture.onload, folder, m.dtype, device) == "sequential" else None
+
+
+def _load(recipe: Recipe):
+    """The recipe's model, and the onloader of its blocks when `capture.onload` resolves to sequential: then the
+    model is built without its blocks' weights, which stay in the checkpoint until calibration reads them."""
+    m = recipe.model
+    device = distributed.local_device(m.device)
+    folder = sequential_folder(recipe)
+    if folder is not None:
         lazy = lazy_model(folder, m.dtype, device)
         return lazy.model, lazy
     return loading.load_base(m, device=device), None
 
 
 def resident(session: Session) -> None:
-    """The whole model in memory for the stages that run it whole (surgery, saving, tasks), after a
+    """The whole model in memory for the stages that run it whole (downstream tasks; latency and bench), after a
     layer-by-layer calibration read its blocks one at a time; refused in one line when it cannot fit."""
     if session.onloader is None:
         return
@@ -149,7 +157,7 @@ def _check_whole_model_fits(m, folder: Path) -> None:
     free = resources.available_memory(device)
     if need is not None and free is not None and need > free:
         raise resources.ResourceError(
-            f"the plan is made layer by layer, but pruning and saving load the whole model "
-            f"({resources.gib(need)} in {m.dtype}), and only {resources.gib(free)} is free on {device}: "
-            "`pruner compare` evaluates plans layer by layer and pruner.plan (Python) gives the plan alone; "
-            "or use a machine with more memory")
+            f"evaluation.tasks run the whole model ({resources.gib(need)} in {m.dtype}), and only "
+            f"{resources.gib(free)} is free on {device}: without tasks, prune and compare run layer by layer "
+            "(perplexity, compensation and the written model/ one block at a time); or use a machine with more "
+            "memory")

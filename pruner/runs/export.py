@@ -36,12 +36,14 @@ from pathlib import Path
 import torch
 
 from pruner.checkpoints import layout as forms
-from pruner.checkpoints import loading, onnx, saving, storage
-from pruner.core import outputs, runtime
+from pruner.checkpoints import loading, onnx, saving, storage, streamed
+from pruner.checkpoints.lazy import lazy_model
+from pruner.core import distributed, outputs, runtime
 from pruner.core.redact import redact
 from pruner.pruning import surgery
 from pruner.runs import provenance
 from pruner.runs.card import model_card
+from pruner.runs.context import sequential_folder
 from pruner.runs.folders import Run, load_run, recipe_storage_dtype, save_checkpoint
 
 FORMATS = ("dense", "compact", "onnx")
@@ -90,7 +92,10 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
     out = Path(out)
     if fmt == "onnx":
         onnx.require()  # a missing extra fails before anything is rebuilt
+    folder = sequential_folder(run.recipe) if fmt != "onnx" else None
     with outputs.atomic_dir(out, overwrite) as tmp:  # an existing `out` is refused before the rebuild
+        if folder is not None:  # the recipe reads the base a block at a time: so does the export
+            return write_streamed(run, fmt, folder, tmp, out, repo_id, dtype)
         model, tokenizer = rebuild(run, fmt)
         if fmt == "onnx":
             return write_onnx(run, model, tokenizer, tmp, out, repo_id, dtype if dtype in onnx.PRECISIONS else "float32")
@@ -99,6 +104,24 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
         params = sum(p.numel() for p in model.parameters())
         model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
         size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+    return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
+                    saved.why_per_layer, saved.generation)
+
+
+def write_streamed(run: Run, fmt: str, folder: Path, tmp: Path, out: Path, repo_id: str | None,
+                   dtype: str | None) -> Exported:
+    """`fmt` (dense or compact) written block by block from the base checkpoint in `folder`, never whole in
+    memory (`pruner.checkpoints.streamed`), with its card and plan.json."""
+    m = run.recipe.model
+    lazy = lazy_model(folder, m.dtype, distributed.local_device(m.device))
+    tokenizer = loading.load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+    heads = provenance.check_fits(run.folder, run.plan, run.compensation, lazy.model)
+    saved = streamed.save_streamed(lazy, tokenizer, tmp, heads, run.compensation, fmt == "compact",
+                                   storage_dtype(run, dtype), progress=True, label="the export")
+    shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
+    params = sum(p.numel() for p in lazy.model.parameters())  # the pruned shapes (its blocks are on meta)
+    model_card(run, fmt, lazy.model, params, repo_id, saved).save(tmp / "README.md")
+    size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
                     saved.why_per_layer, saved.generation)
 

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from pruner.checkpoints import loading, saving, storage
+from pruner.checkpoints import loading, saving, storage, streamed
 from pruner.core import distributed, outputs, resume
 from pruner.evaluation.bench import BenchResult, bench, checkpoint_dtype, compact_copy
 from pruner.evaluation.timing import BenchConfig
@@ -128,10 +128,13 @@ def save_model(result, folder: Path) -> None:
     """Save the pruned model (dense for `mask`, compact for `remove`: vanilla where the family's config can say
     it, else per-layer) in the recipe's storage dtype, reload-checked; or say why not."""
     folder.mkdir(parents=True, exist_ok=True)
+    removed, dtype = result.metrics["surgery"] == "remove", recipe_storage_dtype(result.recipe)
     try:
-        saved = save_checkpoint(result.model, result.tokenizer, folder,
-                                       removed=result.metrics["surgery"] == "remove",
-                                       dtype=recipe_storage_dtype(result.recipe))
+        if getattr(result, "onloader", None) is not None:  # layer by layer: pruned block by block as it is written
+            saved = streamed.save_streamed(result.onloader, result.tokenizer, folder, result.plan.heads,
+                                           result.compensation, removed, dtype, progress=distributed.is_main())
+        else:
+            saved = save_checkpoint(result.model, result.tokenizer, folder, removed=removed, dtype=dtype)
     except storage.CheckpointError as e:
         for f in folder.iterdir():  # nothing half-written next to the note
             shutil.rmtree(f) if f.is_dir() else f.unlink()

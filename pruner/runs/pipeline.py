@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.checkpoints import layout as forms
+from pruner.checkpoints import streamed
 from pruner.core import arch, distributed
 from pruner.core.layerwise import Resident
 from pruner.evaluation import bench
@@ -258,6 +259,11 @@ def base_metrics(session: Session, progress: bool = True) -> dict:
     return {**out, "tasks": session.downstream.scores() if session.downstream else None}
 
 
+LAYERWISE_NOTE = ("the model was never whole in memory (capture.onload: sequential): perplexity ran a block at a "
+                  "time and model/ was written a block at a time; latency and the bench section need the whole "
+                  "model, so they were not measured (`pruner bench RUN` on a machine that holds it)")
+
+
 @dataclass
 class RunResult:
     plan: Plan
@@ -266,6 +272,8 @@ class RunResult:
     tokenizer: object
     compensation: surgery.Compensation  # what the pruned heads left in the output projections
     recipe: Recipe | None = None
+    onloader: object | None = None  # layer by layer: `model`'s blocks are still the base's, on disk; the surgery
+                                    # happens block by block as the run folder's model/ is written
 
 
 def run(session: Session, progress: bool = True) -> RunResult:
@@ -278,16 +286,23 @@ def run(session: Session, progress: bool = True) -> RunResult:
     if recipe.surgery.compensation == "refit":
         check_refit_tokens(session)
     plan = make_plan(session, progress=progress)
-    resident(session)  # evaluation and surgery run the whole model
+    layerwise = session.onloader is not None and not recipe.evaluation.tasks  # tasks run the whole model
+    if not layerwise:
+        resident(session)
     model = session.model
     base = base_metrics(session, progress)
     params_before = sum(p.numel() for p in model.parameters())
-    latency_before = latency_ms(model, session.evaluation) if recipe.evaluation.latency else None
+    timed = recipe.evaluation.latency and not layerwise
+    latency_before = latency_ms(model, session.evaluation) if timed else None
     comp = compensation(model, plan.heads, recipe.surgery, plan.calibration, session)
     # scoped mask: the same numbers as the surgery below
     m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
-    gains = measure_gains(session, plan.heads, comp, progress)  # before the surgery: the model is the base
-    apply(model, plan.heads, comp, recipe.surgery.mode)
+    gains = None if layerwise else measure_gains(session, plan.heads, comp, progress)  # the model is still the base
+    if layerwise:  # the surgery runs block by block as model/ is written; its skeleton says the size now
+        params_after = streamed.dry_run(session.onloader, plan.heads, comp, recipe.surgery.mode == "remove").params
+    else:
+        apply(model, plan.heads, comp, recipe.surgery.mode)
+        params_after = sum(p.numel() for p in model.parameters())
     geom = plan.geometry
     scorer = get_scorer(plan.scorer)
     metrics = {
@@ -296,10 +311,10 @@ def run(session: Session, progress: bool = True) -> RunResult:
         "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
         "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
-        "evaluation": m, "params_before": params_before,
-        "params_after": sum(p.numel() for p in model.parameters()),
+        "evaluation": m, "params_before": params_before, "params_after": params_after,
         "latency_ms_before": latency_before,
-        "latency_ms_after": latency_ms(model, session.evaluation) if recipe.evaluation.latency else None,
+        "latency_ms_after": latency_ms(model, session.evaluation) if timed else None,
+        **({"layer_by_layer": LAYERWISE_NOTE} if layerwise else {}),
         "convention_sensitivity": sensitivity_record(plan),
         **({"selection_note": plan.note} if plan.note else {}),
         **({"bench": gains} if gains is not None else {}),
@@ -310,7 +325,7 @@ def run(session: Session, progress: bool = True) -> RunResult:
         metrics["refit"] = fit
     if plan.scorer in plan.calibration.costs:  # a measured scorer: what its extra passes cost
         metrics["scorer_cost"] = plan.calibration.costs[plan.scorer]
-    return RunResult(plan, metrics, model, session.tokenizer, comp, recipe)
+    return RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
 
 
 def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:
