@@ -59,7 +59,8 @@ def write_checkpoint(name: str, layers: int | None, folder: Path) -> Path:
     fields = dict(CONFIGS[name])
     if layers:
         fields["num_hidden_layers"] = layers
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields, torch_dtype="bfloat16")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, torch_dtype="bfloat16",
+                                  architectures=["LlamaForCausalLM"])  # a causal LM: the LM head is used
     with init_empty_weights():
         meta = AutoModelForCausalLM.from_config(config)
     folder.mkdir(parents=True, exist_ok=True)

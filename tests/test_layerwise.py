@@ -261,4 +261,6 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     assert gib(rows[("all", "device", "weights")]) == pytest.approx(131.4, abs=0.1)
     note = next(line for line in out.splitlines() if line.startswith("after the plan"))
     hidden = 64 * 128 * 8192 * 2 / 2**30  # the default evaluation: 64 windows x 128 tokens, bfloat16
-    assert "loads the whole model (131.4 GiB)" in note and f"host {hidden:.1f} GiB of hidden states" in note
+    outside = (2 * 128256 * 8192 + 8192) * 2 / 2**30
+    assert f"host {hidden:.1f} GiB of hidden states" in note and "writes model/ (131.4 GiB before pruning)" in note
+    assert f"{2 * outside + block:.1f} GiB of weights (outside the blocks twice + one block)" in note

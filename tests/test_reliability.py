@@ -267,10 +267,10 @@ CASES = [
      + ["--out", e / "interrupted" / "run", "--resume"], 2,
      r"cannot resume from .*\.run\.partial: the interrupted run had a different setup \(recipe.selection.target: "
      r"0.25 -> 0.5\); rerun its own command with --resume, or start over with --overwrite"),
-    ("model larger than free memory (512 KiB)", lambda e: _recipe(e), 2,
-     r"the plan is made layer by layer, but pruning and saving load the whole model \(620 KiB in "
-     r"float32\), and only 512 KiB is free on cpu: `pruner compare` evaluates plans layer by layer and "
-     r"pruner.plan \(Python\) gives the plan alone; or use a machine with more memory"),
+    ("tasks on a model larger than free memory (512 KiB)", lambda e: _recipe(e, "evaluation.tasks=[shakespeare_cloze]"),
+     2, r"evaluation.tasks run the whole model \(620 KiB in float32\), and only 512 KiB is free on cpu: without "
+     r"tasks, prune and compare run layer by layer \(perplexity, compensation and the written model/ one block at "
+     r"a time\); or use a machine with more memory"),
     ("not enough memory (512 KiB free)", lambda e: _recipe(e, "calibration.batch_size=4", "capture.onload=all"), 2,
      r"not enough memory for calibration: its peak is about [\d.]+ \w+ \(model .*\), and only 512 KiB is free on cpu "
      r"beyond the loaded model; lower calibration.batch_size: \d+ \(about [\d.]+ \w+\) or model.dtype: bfloat16"),
@@ -316,8 +316,8 @@ PATCHES = {  # case name -> what it runs under
     "tasks without lm-evaluation-harness installed": lambda e: _without_harness(),
     "not enough memory (512 KiB free)": lambda e: mock.patch("pruner.runs.resources.available_memory",
                                                               lambda device: 512 << 10),
-    "model larger than free memory (512 KiB)": lambda e: mock.patch("pruner.runs.resources.available_memory",
-                                                                     lambda device: 512 << 10),
+    "tasks on a model larger than free memory (512 KiB)": lambda e: mock.patch(
+        "pruner.runs.resources.available_memory", lambda device: 512 << 10),
     "not enough disk (1 MiB free)": lambda e: mock.patch("pruner.runs.resources.free_disk", lambda folder: 1 << 20),
     "disk full while saving": lambda e: mock.patch("pruner.runs.folders.save_checkpoint", _no_room),
     "Hub error that echoes the token": lambda e: _patches(
@@ -359,6 +359,19 @@ def test_bad_input(env, tmp_path, capsys, name, argv, status, message):
     assert "Traceback" not in err and FAKE_TOKEN not in err
     assert not out.exists() and not list(tmp_path.glob(".out.*")), "half-written output left behind"
     assert not (env / "marker").exists(), "a model's own code ran without --trust-remote-code"
+
+
+def test_a_model_larger_than_free_memory_is_pruned_layer_by_layer(env, tmp_path, capsys):
+    """What used to be refused (the whole model cannot fit) now runs: `capture.onload: auto` reads the blocks one
+    at a time, and model/ is written a block at a time and reload-checked the same way."""
+    with mock.patch("pruner.runs.resources.available_memory", lambda device: 512 << 10):
+        rc = main(_recipe(env) + ["--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert "never whole in memory" in metrics["layer_by_layer"] and metrics["model_saved"]
+    assert "layer by layer: the model was never whole in memory" in out
+    assert (tmp_path / "out" / "model" / "model.safetensors.index.json").exists()
 
 
 def test_existing_output_folder_is_kept_without_overwrite(env, tmp_path, capsys):

@@ -12,9 +12,10 @@
    config.json, the shard index and the tokenizer.
 3. **Check**, as `saving.verify` does for a model in memory, block by block: the written folder is read
    back a block at a time (pruner's own classes: no remote code) and its logits must equal the pruned
-   model's, rounded to the storage dtype, within `saving.ATOL`; for a causal LM, its next-token
-   predictions with the KV cache (8 tokens cached, then 8 more through the cache) must equal those
-   without it -- the cache is where the written head counts would show a mismatch.
+   model's, rounded to the storage dtype, within `saving.ATOL`; for a causal LM, decoding through the
+   KV cache (8 tokens cached, then 8 more through the cache) must give the pruned model's logits
+   (decoded the same way while it was written) within `saving.ATOL` and the same next tokens -- the
+   cache is where written head counts that do not match the weights would show.
 
 Peak memory: the weights outside the blocks, one block (and its storage-dtype copy when the dtypes
 differ), the check tokens' hidden states. The written shards are one per block plus one for the rest.
@@ -116,8 +117,13 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     ids = saving.check_ids(model).to(device)  # (2, CHECK_TOKENS)
     mask = torch.ones_like(ids)
     exact = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
+    causal = runtime.attends_causally(model)
+    cache = _new_cache(model) if causal else None  # the rounded model decoding: CACHED tokens, then the rest
     with rounded_to(model, store):
         rounded = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
+        prefix = first_block_calls(model, [(ids[:, :CACHED], mask[:, :CACHED])], device, device, cache)[0] \
+            if causal else None
+    rest_call = None
     blocks = arch.blocks(model)
     total = len(blocks) + 1
     # the names save_pretrained would write (GPT-NeoX's lm_head is embed_out); pruner's per-layer classes rename none
@@ -133,6 +139,12 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
         exact.hidden = through(block, exact.hidden, exact, device)
         with rounded_to(block, store):
             rounded.hidden = through(block, rounded.hidden, rounded, device)
+            if causal:
+                prefix.hidden = through(block, prefix.hidden, prefix, device)
+                if rest_call is None:  # block 0 has cached the first tokens: the rest can be embedded after them
+                    with rounded_to(model, store):
+                        rest_call = first_block_calls(model, [(ids[:, CACHED:], mask)], device, device, cache)[0]
+                rest_call.hidden = through(block, rest_call.hidden, rest_call, device)
         lazy.offload(layer)
         if bar is not None:
             bar.update(1)
@@ -153,7 +165,8 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     got = _finish(model, ids, exact.hidden)
     with rounded_to(model, store):
         want = _finish(model, ids, rounded.hidden)
-    max_diff, generation, route = verify_streamed(folder, lazy.dtype, device, ids, want)
+        cached = _finish(model, ids[:, CACHED:], rest_call.hidden) if causal else None
+    max_diff, generation, route = verify_streamed(folder, lazy.dtype, device, ids, want, cached)
     return saving.Saved(planned.layout, planned.why_per_layer, str(store).removeprefix("torch."), max_diff,
                         (want - got).abs().max().item(), generation, (route,))
 
@@ -166,10 +179,17 @@ def _logits_streamed(back: LazyBlocks, ids: torch.Tensor, device, cache=None, ma
     return _finish(back.model, ids, calls[0].hidden)
 
 
-def verify_streamed(folder: Path, dtype: torch.dtype, device, ids: torch.Tensor,
-                    want: torch.Tensor) -> tuple[float, bool | None, str]:
-    """Read `folder` back a block at a time: logits within ATOL of `want` (B, T, V), and for a causal LM the
-    same next-token predictions through the KV cache as without it. Returns (max diff, generation, route)."""
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def verify_streamed(folder: Path, dtype: torch.dtype, device, ids: torch.Tensor, want: torch.Tensor,
+                    want_cached: torch.Tensor | None) -> tuple[float, bool | None, str]:
+    """Read `folder` back a block at a time: its logits for `ids` within ATOL of `want` (B, T, V), and for a
+    causal LM, decoding through the KV cache (CACHED tokens, then the rest), the logits `want_cached`
+    (B, T - CACHED, V) and the same next tokens. Returns (max diff, generation checked or None, route)."""
     back = lazy_model(folder, str(dtype).removeprefix("torch."), str(device))
     name = f"pruner layer by layer ({back.cls.__name__})"
     got = _logits_streamed(back, ids, device)
@@ -177,14 +197,13 @@ def verify_streamed(folder: Path, dtype: torch.dtype, device, ids: torch.Tensor,
     if not diff <= saving.ATOL:
         raise CheckpointError(f"the written checkpoint reloads ({name}) with logits off by {diff:.2e} "
                               f"(more than {saving.ATOL:g}); nothing was published")
-    if not runtime.attends_causally(back.model):
+    if want_cached is None:
         return diff, None, name
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=back.model.config)
+    cache = _new_cache(back.model)
     _logits_streamed(back, ids[:, :CACHED], device, cache)
     cached = _logits_streamed(back, ids[:, CACHED:], device, cache, mask=torch.ones_like(ids))
-    if not torch.equal(cached.argmax(-1), got[:, CACHED:].argmax(-1)):
-        raise CheckpointError(f"the written checkpoint ({name}) predicts different next tokens through the KV "
-                              "cache than without it; nothing was published")
-    return diff, True, name
+    off = (cached - want_cached).abs().max().item()
+    if not off <= saving.ATOL or not torch.equal(cached.argmax(-1), want_cached.argmax(-1)):
+        raise CheckpointError(f"the written checkpoint ({name}) decodes through the KV cache with logits off by "
+                              f"{off:.2e} or other next tokens; nothing was published")
+    return max(diff, off), True, name

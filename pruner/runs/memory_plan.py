@@ -72,19 +72,23 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
 
 
 def after_plan(model, windows: int | None, length: int) -> str:
-    """What the stages after the plan hold (a note under the table): `prune` loads the whole model for the
-    surgery and saving; `compare` with the blocks on disk keeps every evaluation window's hidden states on
-    the host and one block on the device (`pruner.evaluation.perplexity.window_scores`)."""
+    """What the stages after the plan hold (a note under the table), with the blocks on disk: perplexity
+    (`prune` and `compare`) keeps every evaluation window's hidden states on the host and one block on the
+    device (`pruner.evaluation.perplexity.window_scores`); `prune` writes model/ a block at a time and reads it
+    back the same way (`pruner.checkpoints.streamed`: the weights outside the blocks twice, the written copy's
+    and the base's, and one block)."""
     g = arch.geometry(model)
     d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     outside = weights - g.n_layers * block_bytes(model)
     hidden = "" if windows is None else \
-        f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens)"
-    return (f"after the plan: `pruner prune` loads the whole model ({gib(weights)}) for the surgery and saving; "
-            f"`pruner compare` with the blocks on disk evaluates one block at a time{hidden}, device "
-            f"{gib(outside + block_bytes(model))} of weights (outside the blocks + one block) and one batch")
+        f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens),"
+    return (f"after the plan, with the blocks on disk: `pruner prune` and `pruner compare` evaluate one block at a "
+            f"time{hidden} device {gib(outside + block_bytes(model))} of weights (outside the blocks + one block) "
+            f"and one batch; `prune` writes model/ ({gib(weights)} before pruning) a block at a time and reads it "
+            f"back the same way: {gib(2 * outside + block_bytes(model))} of weights (outside the blocks twice + "
+            "one block); evaluation.tasks, latency and bench need the whole model")
 
 
 def meta_model(config):
