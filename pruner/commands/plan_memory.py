@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pruner.commands import recipe_overrides
     from pruner.core import assets
+    from pruner.pruning.scoring import get_scorer
     from pruner.runs import memory_plan as mp
     from pruner.runs.recipe_io import load_recipe
     from pruner.runs.resources import Sizes, available_memory, model_bytes
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = Sizes(batch_size=cal.batch_size, length=cal.length, chunk_size=recipe.capture.chunk_size,
                   pair_metrics=metrics, outputs=True, folds=folds)
     samples = cal.num_samples or 64
-    plans = [mp.memory_plan(model, sizes, samples, mode, m.device) for mode in ("all", "sequential")]
+    systems = get_scorer(recipe.scorer.name).needs_systems
+    plans = [mp.memory_plan(model, sizes, samples, mode, m.device, systems) for mode in ("all", "sequential")]
     free = available_memory(m.device)
     chosen = recipe.capture.onload if recipe.capture.onload != "auto" else \
         ("sequential" if free is not None and model_bytes(model) > 0.8 * free else "all" if free is not None else "?")

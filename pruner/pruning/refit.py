@@ -160,8 +160,9 @@ class System:
     A silent layer (it writes nothing, or only a constant that the intercept takes) costs nothing.
     """
 
-    gram: Tensor               # (D, D) W^T W
-    precision: Tensor | None   # (D, D) (S + lam I)^-1; None for a silent layer
+    gram: Tensor               # (D, D) W^T W as given (float32 from calibration: no float64 copy of every
+    #                            layer's; the blocks each use reads are cast to float64, exactly)
+    precision: Tensor | None   # (D, D) (S + lam I)^-1, float64; None for a silent layer
     lam: float
     error: str | None = None   # why no precision could be computed (raised when the system is used)
 
@@ -172,8 +173,8 @@ class System:
         P = pruned.nonzero().flatten()
         if len(P) == 0 or self.precision is None:
             return 0.0
-        schur = torch.linalg.inv(self.precision[P][:, P]) - self.lam * torch.eye(len(P), dtype=self.gram.dtype)
-        return max(float((self.gram[P][:, P] * schur).sum()), 0.0)
+        schur = torch.linalg.inv(self.precision[P][:, P]) - self.lam * torch.eye(len(P), dtype=torch.float64)
+        return max(float((self.gram[P][:, P].double() * schur).sum()), 0.0)
 
 
 def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[float]:
@@ -192,15 +193,16 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[fl
     Q, G = sys.precision, sys.gram
     P = pruned.nonzero().flatten()
     a_inv = torch.linalg.inv(Q[P][:, P]) if len(P) else None
+    G_pp = G[P][:, P].double() if len(P) else None
     out = []
     for h in blocks:
-        C, g_hh = Q[h][:, h], G[h][:, h]
+        C, g_hh = Q[h][:, h], G[h][:, h].double()
         if a_inv is None:
             core, Z = g_hh, C
         else:
             B = Q[P][:, h]
             V = a_inv @ B  # (|P|, d)
-            core = V.t() @ G[P][:, P] @ V - 2 * V.t() @ G[P][:, h] + g_hh
+            core = V.t() @ G_pp @ V - 2 * V.t() @ G[P][:, h].double() + g_hh
             Z = C - B.t() @ V
         out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
     return out
@@ -209,14 +211,14 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[fl
 def system(w_gram: Tensor, mu: Tensor | None, s: Tensor, ridge: float, layer: int = 0) -> System:
     """The layer's `System` from W^T W (D, D), and mu / S as `fit_layer` takes them."""
     if silent(mu, s):
-        return System(w_gram.double(), None, 0.0)
+        return System(w_gram, None, 0.0)
     lam = ridge_lambda(s, ridge)
     t = s.double() + lam * torch.eye(s.shape[0], dtype=torch.float64)
     chol, info = torch.linalg.cholesky_ex(t)
     if info:  # only a scorer that reads it fails: the other scorers do not need it
-        return System(w_gram.double(), None, lam, f"refit-aware scoring of layer {layer}: the heads' second moment "
+        return System(w_gram, None, lam, f"refit-aware scoring of layer {layer}: the heads' second moment "
                       f"is singular (ridge {ridge:g}); set surgery.ridge > 0 (e.g. 1e-3)")
-    return System(w_gram.double(), torch.cholesky_inverse(chol), lam)
+    return System(w_gram, torch.cholesky_inverse(chol), lam)
 
 
 def silent(mu: Tensor | None, s: Tensor) -> bool:

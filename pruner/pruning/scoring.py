@@ -58,6 +58,8 @@ class Scorer:
     adaptive: bool = False      # re-score among survivors after every removal
     needs_gradient: bool = False
     needs_ablation: bool = False  # L x H measured passes (`pruner.pruning.ablation`)
+    needs_systems: bool = False   # every layer's refit system (`ScoringInputs.refit_systems`: a float64
+    #                               (H d_head)^2 precision per layer, kept while it selects)
     convention: str | None = None  # the convention a redundancy scorer compares heads under
     doc: str = ""
     reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
@@ -275,7 +277,7 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
                "relative to the residual stream", reads="sink and content channels separated (no convention)"),
-    Scorer("refit-energy", _refit_energy, adaptive=True,
+    Scorer("refit-energy", _refit_energy, adaptive=True, needs_systems=True,
            doc="what refit compensation cannot rebuild if the head goes next (Schur-complement energy), "
                "relative to the residual stream", reads="head outputs (no attention rows)"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,

@@ -11,6 +11,10 @@
   copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
   replaced), the finished layers' sums and their W_O^T W_O.
 
+The refit-aware scorer (`refit-energy`, the decoder default) then keeps every layer's float64 refit
+precision while it selects: as much again as the joint second moments (`--set scorer.name=sink-aware`
+does without).
+
 On a CPU run device and host are one memory: `total` is their sum. `pruner plan-memory RECIPE` prints
 both modes for any model from its config.json alone (built on the meta device: no weight is read or
 downloaded) and says which `capture.onload: auto` picks on this machine.
@@ -44,17 +48,23 @@ def block_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in arch.blocks(model)[0].parameters())
 
 
-def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu") -> MemoryPlan:
-    """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above)."""
+def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu",
+                systems: bool = False) -> MemoryPlan:
+    """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above),
+    and with `systems` (the refit-aware scorer) the selection after it: every layer's float64 refit precision
+    (S + lam I)^-1 beside the sums, and one layer's second moment and Cholesky factor while it is built."""
     cpu = torch.device(device).type == "cpu"
     est = calibration_estimate(model, replace(sizes, gradient=False))
     parts, g = est.parts, arch.geometry(model)
     work = parts.get("activations", 0) + parts.get("capture", 0)
     sums = statistics_bytes(model, sizes) // 2  # the finished sums (the estimate counts them twice)
     grams = g.n_layers * (g.n_heads * g.head_dim) ** 2 * 4  # W_O^T W_O per layer, float32
+    square = (g.n_heads * g.head_dim) ** 2 * 8  # one layer's (H d_head)^2 float64 matrix
+    scoring = {"refit-aware scorer's systems (every layer + one being built)": (g.n_layers + 3) * square} \
+        if systems else {}
     if onload == "all":
         dev = Estimate({"weights": parts["model"], "sums (total + batch)": parts["statistics"], "one batch": work})
-        host = Estimate({"finished sums": sums, "W_O^T W_O of every layer": grams,
+        host = Estimate({"finished sums": sums, "W_O^T W_O of every layer": grams, **scoring,
                          **({} if cpu else {"weights while loading": parts["model"]})})
         return MemoryPlan(onload, dev, host, cpu)
     one = block_bytes(model)
@@ -67,7 +77,7 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     dev = Estimate({"weights outside the blocks": parts["model"] - g.n_layers * one, "one block": one,
                     **layer_sums, "one batch": work})
     host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
-                     "W_O^T W_O of every layer": grams})
+                     "W_O^T W_O of every layer": grams, **scoring})
     return MemoryPlan(onload, dev, host, cpu)
 
 
