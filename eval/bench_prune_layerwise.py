@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "eval"))
+from bench_layerwise import write_checkpoint  # beside this script: python puts eval/ on the path
 
-from bench_layerwise import write_checkpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = """\
 model: {{path: {folder}, dtype: bfloat16}}

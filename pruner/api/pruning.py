@@ -86,6 +86,10 @@ def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None,
           checkpoint_dir=None, **overrides) -> Result:
     """`pruner prune` for a model object: plan, evaluate (paired with the unpruned model), apply in place.
 
+    With a recipe whose model is read a block at a time (`capture.onload: sequential`, or `auto` on a model
+    larger than memory) nothing is pruned in memory: `result.model` is the base with its blocks on disk, and
+    `result.save(folder)` prunes them block by block as it writes model/.
+
     `eval_data`: evaluation texts or source (default: the recipe's, the shipped
     evaluation plays). `checkpoint_dir`: a folder where the calibration sums and
     finished evaluations are saved now and then (the recipe's `checkpoint` section);

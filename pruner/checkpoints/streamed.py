@@ -94,6 +94,48 @@ def _write(tensors: dict[str, torch.Tensor], path: Path, store: torch.dtype, ind
     index["weight_map"].update(dict.fromkeys(out, path.name))
 
 
+class _Expected:
+    """The pruned model's outputs on the check tokens, a block at a time as it is written: in its own dtype
+    (`exact`), rounded to the storage dtype (`rounded`: what the files must reproduce), and for a causal LM
+    decoded through a KV cache, CACHED tokens then the rest (`prefix`, `rest`)."""
+
+    def __init__(self, model, device, store: torch.dtype):
+        self.model, self.device, self.store = model, device, store
+        self.ids = saving.check_ids(model).to(device)  # (2, CHECK_TOKENS)
+        self.mask = torch.ones_like(self.ids)
+        self.exact = self._calls(self.ids, self.mask)
+        self.causal = runtime.attends_causally(model)
+        self.cache = _new_cache(model) if self.causal else None
+        with rounded_to(model, store):
+            self.rounded = self._calls(self.ids, self.mask)
+            self.prefix = self._calls(self.ids[:, :CACHED], self.mask[:, :CACHED], self.cache) if self.causal else None
+        self.rest = None
+
+    def _calls(self, ids, mask, cache=None):
+        return first_block_calls(self.model, [(ids, mask)], self.device, self.device, cache)[0]
+
+    def run(self, block) -> None:
+        """The check tokens through the next block (pruned, in memory)."""
+        self.exact.hidden = through(block, self.exact.hidden, self.exact, self.device)
+        with rounded_to(block, self.store):
+            self.rounded.hidden = through(block, self.rounded.hidden, self.rounded, self.device)
+            if not self.causal:
+                return
+            self.prefix.hidden = through(block, self.prefix.hidden, self.prefix, self.device)
+            if self.rest is None:  # block 0 has cached the first tokens: the rest can be embedded after them
+                with rounded_to(self.model, self.store):
+                    self.rest = self._calls(self.ids[:, CACHED:], self.mask, self.cache)
+            self.rest.hidden = through(block, self.rest.hidden, self.rest, self.device)
+
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(exact, rounded, rounded decoded through the cache or None): (B, T, V), (B, T, V), (B, T - CACHED, V)."""
+        got = _finish(self.model, self.ids, self.exact.hidden)
+        with rounded_to(self.model, self.store):
+            want = _finish(self.model, self.ids, self.rounded.hidden)
+            cached = _finish(self.model, self.ids[:, CACHED:], self.rest.hidden) if self.causal else None
+        return got, want, cached
+
+
 def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, list[int]],
                   comp: surgery.Compensation | None, removed: bool, dtype: str | None = None,
                   progress: bool = False, label: str = "model/") -> saving.Saved:
@@ -104,52 +146,43 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     Raises CheckpointError when no layout holds the model or the written files do not reproduce it.
     """
     from tqdm.auto import tqdm
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     folder, comp = Path(folder), surgery.as_compensation(comp)
     heads = {k: v for k, v in heads.items() if v}
     planned = dry_run(lazy, heads, comp, removed)
-    model, device = lazy.model, lazy.device
+    model = lazy.model
     if planned.bias:  # every block gets the (zero) biases the config will declare, before any is written
         surgery.enable_attention_bias(model)
         lazy.zero_missing_bias = True
     store = getattr(torch, dtype) if dtype else lazy.dtype
-    ids = saving.check_ids(model).to(device)  # (2, CHECK_TOKENS)
-    mask = torch.ones_like(ids)
-    exact = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
-    causal = runtime.attends_causally(model)
-    cache = _new_cache(model) if causal else None  # the rounded model decoding: CACHED tokens, then the rest
-    with rounded_to(model, store):
-        rounded = first_block_calls(model, [(ids, mask)], device, storage=device)[0]
-        prefix = first_block_calls(model, [(ids[:, :CACHED], mask[:, :CACHED])], device, device, cache)[0] \
-            if causal else None
-    rest_call = None
-    blocks = arch.blocks(model)
-    total = len(blocks) + 1
+    expected = _Expected(model, lazy.device, store)
+    total = len(lazy.prefixes) + 1
     # the names save_pretrained would write (GPT-NeoX's lm_head is embed_out); pruner's per-layer classes rename none
     names = None if planned.layout == "per-layer" else (lambda keys: saved_names(model, keys))
     index = {"metadata": {"total_size": 0}, "weight_map": {}}
-    bar = tqdm(total=len(blocks), desc=f"writing {label} (layer by layer)", unit="layer") if progress else None
-    for layer in range(len(blocks)):
+    for layer in tqdm(range(total - 1), desc=f"writing {label} (layer by layer)", unit="layer", disable=not progress):
         block = lazy.onload(layer)
         if layer in heads:
             (surgery.remove_heads if removed else surgery.mask_heads)(model, {layer: heads[layer]}, comp)
         _write({lazy.prefixes[layer] + k: v for k, v in block.state_dict().items()},
                folder / shard_name(layer + 1, total), store, index, names)
-        exact.hidden = through(block, exact.hidden, exact, device)
-        with rounded_to(block, store):
-            rounded.hidden = through(block, rounded.hidden, rounded, device)
-            if causal:
-                prefix.hidden = through(block, prefix.hidden, prefix, device)
-                if rest_call is None:  # block 0 has cached the first tokens: the rest can be embedded after them
-                    with rounded_to(model, store):
-                        rest_call = first_block_calls(model, [(ids[:, CACHED:], mask)], device, device, cache)[0]
-                rest_call.hidden = through(block, rest_call.hidden, rest_call, device)
+        expected.run(block)
         lazy.offload(layer)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    _write_rest(lazy, planned, tokenizer, folder, store, index, names)
+    got, want, cached = expected.logits()
+    max_diff, generation, route = verify_streamed(folder, lazy.dtype, lazy.device, expected.ids, want, cached)
+    return saving.Saved(planned.layout, planned.why_per_layer, str(store).removeprefix("torch."), max_diff,
+                        (want - got).abs().max().item(), generation, (route,))
+
+
+def _write_rest(lazy: LazyBlocks, planned: Planned, tokenizer, folder: Path, store: torch.dtype, index: dict,
+                names) -> None:
+    """The weights outside the blocks (tied ones once, as save_pretrained writes them) as the last shard, then
+    config.json (and the per-layer modeling file), generation_config.json, the shard index, the tokenizer."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model = lazy.model
+    total = len(lazy.prefixes) + 1
     rest = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p) for p in lazy.prefixes)}
     _write(remove_tied_weights_from_state_dict(rest, model), folder / shard_name(total, total), store, index, names)
     config = planned.config
@@ -162,13 +195,6 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
         model.generation_config.save_pretrained(folder)
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     tokenizer.save_pretrained(folder)
-    got = _finish(model, ids, exact.hidden)
-    with rounded_to(model, store):
-        want = _finish(model, ids, rounded.hidden)
-        cached = _finish(model, ids[:, CACHED:], rest_call.hidden) if causal else None
-    max_diff, generation, route = verify_streamed(folder, lazy.dtype, device, ids, want, cached)
-    return saving.Saved(planned.layout, planned.why_per_layer, str(store).removeprefix("torch."), max_diff,
-                        (want - got).abs().max().item(), generation, (route,))
 
 
 def _logits_streamed(back: LazyBlocks, ids: torch.Tensor, device, cache=None, mask=None) -> torch.Tensor:
