@@ -207,3 +207,19 @@ def test_ablation_equals_removing_each_head_and_measuring(compensation):
             assert inputs.ablation[layer, h].item() == pytest.approx(s / c - s0 / c0, abs=1e-6)
     assert inputs.costs["ablation"]["passes"] == g.n_layers * g.n_heads + 1
     assert inputs.costs["ablation"]["windows"] == 5
+
+
+def test_refit_costs_reuse_the_layers_a_greedy_step_did_not_change(llama_inputs):
+    """A greedy step removes one head: the other layers' marginal costs are taken from the last step, and equal
+    a fresh computation on inputs with nothing cached, step after step."""
+    import dataclasses
+
+    inputs = llama_inputs[2]
+    g = inputs.gram.shape[:2]
+    alive = torch.ones(g, dtype=torch.bool)
+    for layer, head in [(0, 1), (1, 2), (0, 3), (1, 0)]:
+        alive[layer, head] = False
+        cached = scoring.refit_costs(inputs, alive)
+        fresh = scoring.refit_costs(dataclasses.replace(inputs, _systems=[], _costs={}), alive)
+        assert torch.equal(cached, fresh) and not cached[layer, head]
+    assert len(inputs._costs) == g[0]

@@ -38,6 +38,7 @@ class ScoringInputs:
     ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
     costs: dict = field(default_factory=dict)  # what the measured scorers' extra passes cost ({"ablation": ...})
     _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
+    _costs: dict = field(default_factory=dict, repr=False, compare=False)  # refit_costs' per layer, by alive set
 
     def refit_systems(self) -> list[refit.System]:
         """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
@@ -189,12 +190,17 @@ def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
     L, H = alive.shape
     out = torch.zeros(L, H, dtype=torch.float64)
     for layer, sys in enumerate(inputs.refit_systems()):
+        key = tuple(alive[layer].tolist())
+        if inputs._costs.get(layer, (None,))[0] == key:  # a greedy step changes one layer: the others are as were
+            out[layer] = inputs._costs[layer][1]
+            continue
         d = sys.gram.shape[0] // H
         pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
         heads = alive[layer].nonzero().flatten().tolist()
         costs = refit.marginal_costs(sys, pruned, [torch.arange(h * d, (h + 1) * d) for h in heads])
         for h, c in zip(heads, costs):
             out[layer, h] = c
+        inputs._costs[layer] = (key, out[layer].clone())
     return out
 
 

@@ -247,6 +247,8 @@ def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
              f"`{metrics['scorer']}`" + (f" ({convention_phrase(metrics)})" if metrics["convention"] else "")
              + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
              result_table(metrics), ""]
+    if metrics.get("layer_by_layer"):
+        lines += [f"Layer by layer: {metrics['layer_by_layer']}.", ""]
     if metrics["evaluation"].get("tasks"):
         lines += ["## Downstream tasks (same documents; bootstrap CI over documents)", "",
                   accuracy_table(metrics["evaluation"]["tasks"]), ""]
