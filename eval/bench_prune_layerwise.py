@@ -35,7 +35,7 @@ evaluation: {{data: shakespeare:evaluation, length: {length}, num_samples: {wind
              bootstrap: 200}}
 bench: {{enabled: false}}
 sinks: {{mode: first}}
-scorer: {{name: refit-energy}}
+scorer: {{name: {scorer}}}
 selection: {{target: {target}, gqa: equal}}
 surgery: {{mode: remove, compensation: mean, ridge: 0.1}}
 threads: {threads}
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scorer", default="refit-energy")
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
     args = ap.parse_args()
 
@@ -64,7 +65,7 @@ def main() -> None:
     work.mkdir(parents=True)
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
-                                    threads=args.threads))
+                                    threads=args.threads, scorer=args.scorer))
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
                           capture_output=True, text=True)
@@ -77,6 +78,7 @@ def main() -> None:
     m = json.loads((work / "run" / "metrics.json").read_text())
     r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
         "num_attention_heads"], "windows": args.windows, "length": args.length, "threads": args.threads,
+         "scorer": args.scorer,
          "base_bytes": base, "pruned_bytes": pruned, "peak_rss": peak, "peak_over_model": peak / base,
          "wall_s": wall, "pruned_heads": m["pruned_heads"], "total_heads": m["total_heads"],
          "layout": m.get("model_layout"), "evaluation": m["evaluation"], "seconds_in_run": m["seconds"]}

@@ -192,18 +192,27 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[fl
         return [0.0] * len(blocks)
     Q, G = sys.precision, sys.gram
     P = pruned.nonzero().flatten()
-    a_inv = torch.linalg.inv(Q[P][:, P]) if len(P) else None
-    G_pp = G[P][:, P].double() if len(P) else None
+    if not blocks:
+        return []
+    cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
+    d = len(blocks[0])
+    C = Q[cand][:, cand]  # (n d, n d): only its d x d diagonal blocks are read
+    g_c = G[cand][:, cand].double()
+    if len(P):  # one inverse of the pruned set, and every candidate's border in one product each
+        B = Q[P][:, cand]  # (|P|, n d)
+        V = torch.linalg.inv(Q[P][:, P]) @ B  # (|P|, n d)
+        GV = G[P][:, P].double() @ V  # (|P|, n d)
+        G_pc = G[P][:, cand].double()  # (|P|, n d)
     out = []
-    for h in blocks:
-        C, g_hh = Q[h][:, h], G[h][:, h].double()
-        if a_inv is None:
-            core, Z = g_hh, C
+    for i in range(len(blocks)):
+        j = slice(i * d, (i + 1) * d)
+        g_hh, Z = g_c[j, j], C[j, j]
+        if len(P):
+            Vh = V[:, j]
+            core = Vh.t() @ GV[:, j] - 2 * Vh.t() @ G_pc[:, j] + g_hh
+            Z = Z - B[:, j].t() @ Vh
         else:
-            B = Q[P][:, h]
-            V = a_inv @ B  # (|P|, d)
-            core = V.t() @ G_pp @ V - 2 * V.t() @ G[P][:, h].double() + g_hh
-            Z = C - B.t() @ V
+            core = g_hh
         out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
     return out
 
