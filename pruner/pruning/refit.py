@@ -177,30 +177,35 @@ class System:
         return max(float((self.gram[P][:, P].double() * schur).sum()), 0.0)
 
 
-def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[float]:
+def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dict | None = None) -> list[float]:
     """E(P + h) - E(P) for every candidate block h of channels (each a (d,) index tensor), from one inverse.
 
-    With Q = (S + lam I)^-1, A = Q_PP and its inverse computed once, adding h makes the bordered matrix
+    With Q = (S + lam I)^-1, A = Q_PP and its inverse, adding h makes the bordered matrix
     [[A, B], [B^T, C]] (B = Q_Ph, C = Q_hh), whose inverse is A^-1 corrected by the d x d Schur complement
     Z = C - V^T B, V = A^-1 B. With G = W^T W:
     E(P + h) - E(P) = tr((V^T G_PP V - 2 V^T G_Ph + G_hh) Z^-1) - lam tr(G_hh):
     |P|^2 d per candidate, where a fresh inverse of each enlarged set costs (|P| + d)^3.
+
+    `state` (one per layer, kept by the caller across a greedy selection) holds A^-1 and the channel order
+    it is in: when P has grown since, A^-1 is updated by the same bordering -- the new channels' Schur
+    complement, k^2 |P| for k new channels -- instead of inverted afresh (P is used in that order; E does not
+    depend on it).
     """
     if sys.error:
         raise RefitError(sys.error)
     if sys.precision is None:
         return [0.0] * len(blocks)
     Q, G = sys.precision, sys.gram
-    P = pruned.nonzero().flatten()
+    P, a_inv = _pruned_inverse(Q, pruned, state)
     if not blocks:
         return []
     cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
     d = len(blocks[0])
     C = Q[cand][:, cand]  # (n d, n d): only its d x d diagonal blocks are read
     g_c = G[cand][:, cand].double()
-    if len(P):  # one inverse of the pruned set, and every candidate's border in one product each
+    if len(P):  # every candidate's border in one product each
         B = Q[P][:, cand]  # (|P|, n d)
-        V = torch.linalg.inv(Q[P][:, P]) @ B  # (|P|, n d)
+        V = a_inv @ B  # (|P|, n d)
         GV = G[P][:, P].double() @ V  # (|P|, n d)
         G_pc = G[P][:, cand].double()  # (|P|, n d)
     out = []
@@ -215,6 +220,32 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor]) -> list[fl
             core = g_hh
         out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
     return out
+
+
+def _pruned_inverse(Q: Tensor, pruned: Tensor, state: dict | None) -> tuple[Tensor, Tensor | None]:
+    """(P in the order A^-1 uses, A^-1 = ((Q)_PP)^-1 or None when P is empty), bordered from `state`'s when P
+    only grew since (then `state` is updated), else inverted afresh."""
+    P = pruned.nonzero().flatten()
+    if not len(P):
+        return P, None
+    old, inv = (state or {}).get("order"), (state or {}).get("inverse")
+    if old is not None and len(old) and bool(pruned[old].all()) and len(old) < len(P):
+        seen = torch.zeros_like(pruned)
+        seen[old] = True
+        new = P[~seen[P]]  # (k,) the channels pruned since
+        b = Q[old][:, new]  # (|old|, k)
+        v = inv @ b
+        zi = torch.linalg.inv(Q[new][:, new] - b.t() @ v)  # (k, k) the new channels' Schur complement, inverted
+        vz = v @ zi
+        inv = torch.cat([torch.cat([inv + vz @ v.t(), -vz], 1), torch.cat([-vz.t(), zi], 1)], 0)
+        P = torch.cat([old, new])
+    elif old is None or not torch.equal(old, P):
+        inv = torch.linalg.inv(Q[P][:, P])
+    else:
+        P = old
+    if state is not None:
+        state.update(order=P, inverse=inv)
+    return P, inv
 
 
 def system(w_gram: Tensor, mu: Tensor | None, s: Tensor, ridge: float, layer: int = 0) -> System:

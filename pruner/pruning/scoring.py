@@ -184,8 +184,9 @@ def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
     """Marginal refit cost of pruning each alive head next: E_l(P_l + h) - E_l(P_l). (layer, head)
 
     E_l is the Schur-complement energy `refit.System.unexplained` of layer l, P_l its
-    heads already pruned; pruned heads get 0. Bordered-inverse updates (`refit.marginal_costs`): one
-    inverse of the pruned set per layer and step, a d x d Schur complement per candidate.
+    heads already pruned; pruned heads get 0. Bordered-inverse updates (`refit.marginal_costs`): a d x d
+    Schur complement per candidate, and the pruned set's inverse carried from step to step (bordered by
+    the head a step removed, not inverted afresh). Only the layer a greedy step changed is priced again.
     """
     L, H = alive.shape
     out = torch.zeros(L, H, dtype=torch.float64)
@@ -197,7 +198,8 @@ def refit_costs(inputs: ScoringInputs, alive: Tensor) -> Tensor:
         d = sys.gram.shape[0] // H
         pruned = (~alive[layer]).repeat_interleave(d)  # (D,) channels
         heads = alive[layer].nonzero().flatten().tolist()
-        costs = refit.marginal_costs(sys, pruned, [torch.arange(h * d, (h + 1) * d) for h in heads])
+        state = inputs._costs.setdefault(("inverse", layer), {})  # A^-1 of the layer's pruned set, bordered
+        costs = refit.marginal_costs(sys, pruned, [torch.arange(h * d, (h + 1) * d) for h in heads], state)
         for h, c in zip(heads, costs):
             out[layer, h] = c
         inputs._costs[layer] = (key, out[layer].clone())
