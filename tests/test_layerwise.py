@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,42 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     outside = (2 * 128256 * 8192 + 8192) * 2 / 2**30
     assert f"host {hidden:.1f} GiB of hidden states" in note and "writes model/ (131.4 GiB before pruning)" in note
     assert f"{2 * outside + block:.1f} GiB of weights (outside the blocks twice + one block)" in note
+
+
+@pytest.mark.parametrize("onload", ["all", "sequential"])
+def test_float32_moments_keep_the_plan_and_the_refit(onload, tmp_path):
+    """`capture.moments: float32` stores each layer's joint second moment in half the memory (accumulated in
+    float64 either way): the same plan, and refitted weights equal to float32 precision."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for moments in ("float64", "float32"):
+        out = tmp_path / moments
+        assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out),
+                     "--set", f"capture.onload={onload}", "--set", f"capture.moments={moments}",
+                     "--set", "surgery.compensation=refit", "--set", "surgery.ridge=0.1"] + QUICK) == 0
+        runs[moments] = out
+    p64, p32 = (json.loads((runs[m] / "plan.json").read_text()) for m in ("float64", "float32"))
+    assert p64["heads"] == p32["heads"]  # the same heads, pruned in the same order
+    assert [(e["layer"], e["head"]) for e in p64["entries"]] == [(e["layer"], e["head"]) for e in p32["entries"]]
+    a, b = (load_file(str(runs[m] / "compensation.safetensors")) for m in ("float64", "float32"))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4 * float(a[k].abs().max()))
+
+
+def test_a_layer_by_layer_calibration_that_cannot_fit_names_the_setting_that_does(monkeypatch):
+    """Before any compute: device and host against the memory model; the refusal names what would fit."""
+    from pruner.runs import memory_plan, resources
+
+    lazy = lazy_model(assets.resolve("llama-shakespeare"))
+    sizes = resources.Sizes(batch_size=4, length=128, outputs=True)
+    big = memory_plan.memory_plan(lazy.model, sizes, 64, "sequential", "cpu", systems=True)
+    small = memory_plan.memory_plan(lazy.model, replace(sizes, moments="float32"), 64, "sequential", "cpu", systems=True)
+    outside = big.device.parts["weights outside the blocks"]
+    free = (big.total + small.total) // 2 - outside  # room for the float32 moments only
+    monkeypatch.setattr(memory_plan, "available_memory", lambda device: free)
+    with pytest.raises(resources.ResourceError, match=r"not enough memory for the layer-by-layer calibration: the "
+                       r"memory needs about .* more and has .* free; set capture.moments: float32"):
+        memory_plan.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
+    assert memory_plan.check_sequential(lazy.model, replace(sizes, moments="float32"), 64, "cpu", True) is not None

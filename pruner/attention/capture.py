@@ -60,6 +60,8 @@ class CaptureConfig:
     folds: int = 0  # also the output moments per fold of whole samples (cross-validating refit's ridge)
     channels: bool = False  # also each head's sink- and content-channel second moments (uu, ww; the scorer
     #                         studies read them, no shipped scorer or compensation does: not kept by default)
+    moments: str = "float64"  # storage of each layer's finished joint second moments (and fold moments):
+    #                           accumulated in float64 either way; float32 halves what the host keeps
     across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
     fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
 
@@ -72,6 +74,8 @@ class CaptureConfig:
             raise ValueError(f"folds must be 0 or >= 2, with outputs=True (got {self.folds})")
         if self.outputs and not self.fused:
             raise ValueError("output moments are computed by the fused attention (fused=True)")
+        if self.moments not in ("float64", "float32"):
+            raise ValueError(f"moments must be float64 or float32, got {self.moments!r}")
         bad = set(self.metrics) - set(pairs.PAIR_METRICS)
         if bad:
             raise ValueError(f"unknown pair metrics {sorted(bad)}; valid: {', '.join(pairs.PAIR_METRICS)}")
@@ -106,6 +110,7 @@ class Capture:
     def __init__(self, model, sinks: SinkSpec, tokenizer=None, config: CaptureConfig = CaptureConfig()):
         self.model, self.sinks, self.tokenizer, self.config = model, sinks, tokenizer, config
         self.layers: dict[int, sums.LayerStats] = {}
+        self.reduced: set[int] = set()  # layers whose sums are already totals over every process (layer by layer)
         self._batch: ForwardBatch | None = None
         self._saved_impl: str | None = None
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
@@ -345,7 +350,9 @@ class Capture:
                 for i, s in part.items():
                     layers[i] = s if i not in layers else layers[i] + s
         else:
-            layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
+            layers = {i: self.layers[i] if i in self.reduced else distributed.reduce_tree(self.layers[i].to("cpu"))
+                      for i in have[0]}
+        layers = {i: s.stored(self.config.moments) for i, s in layers.items()}
         residual, tokens = self._residual, self._tokens
         if self.config.outputs and residual is not None:
             both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))

@@ -45,6 +45,10 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     K = config.folds
     folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
     mine = distributed.shard(batch)
+    if (rerun is not None or config.moments != "float64") and min(distributed.all_objects(len(mine))) == 0:
+        raise ValueError(f"{distributed.world_size()} processes and {len(batch)} calibration windows: a layer-by-layer "
+                         "pass that reduces each layer as it goes needs a window for every process; use fewer "
+                         "processes or more calibration.num_samples")
     parts = list(mine.batches(batch_size))
     bar = tqdm(total=g.n_layers, desc="capture (layer by layer)", unit="layer") if progress else None
     with Capture(model, sinks, tokenizer, config) as cap:
@@ -59,6 +63,9 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
                 on_layer(layer)
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
                 cap.layers[layer] = cap.layers[layer].to("cpu")
+            if rerun is None and config.moments != "float64":  # kept in less: reduced over processes first
+                cap.layers[layer] = distributed.reduce_tree(cap.layers[layer]).stored(config.moments)
+                cap.reduced.add(layer)
 
         def again(layer: int) -> AbstractContextManager | None:
             return rerun(layer, distributed.reduce_tree(cap.layers.pop(layer)))

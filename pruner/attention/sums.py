@@ -21,7 +21,7 @@ Definitions (DESIGN section 5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -58,6 +58,16 @@ class LayerStats:
         add = lambda a, b: None if a is None else a + b  # noqa: E731
         return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()},
                           outputs=add(self.outputs, other.outputs), folds=add(self.folds, other.folds))
+
+    def stored(self, dtype: str) -> "LayerStats":
+        """The finished sums as kept: the joint second moments (and the folds') in `dtype` ("float64" or
+        "float32", `CaptureConfig.moments`); every other sum stays float64."""
+        if dtype == "float64" or (self.outputs is None and self.folds is None):
+            return self
+        cast = getattr(torch, dtype)
+        outputs = None if self.outputs is None else replace(self.outputs, joint=self.outputs.joint.to(cast))
+        folds = None if self.folds is None else replace(self.folds, joint=self.folds.joint.to(cast))
+        return replace(self, outputs=outputs, folds=folds)
 
     def to(self, device) -> "LayerStats":
         """The same sums on `device` (layers of a device_map model live on different devices)."""

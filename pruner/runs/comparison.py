@@ -33,7 +33,8 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     if "refit" in compensations:
         check_refit_tokens(session)
     inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
-                            ablation=any(get_scorer(s).needs_ablation for s in scorers))
+                            ablation=any(get_scorer(s).needs_ablation for s in scorers),
+                            systems=any(get_scorer(s).needs_systems for s in scorers))
     if session.downstream:  # tasks run the whole model; perplexity runs block by block when the blocks are on disk
         resident(session)
     base = base_metrics(session, progress)

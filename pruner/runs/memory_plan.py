@@ -28,7 +28,15 @@ import torch
 
 from pruner.core import arch
 from pruner.core.tables import markdown_table
-from pruner.runs.resources import Estimate, Sizes, available_memory, calibration_estimate, gib, statistics_bytes
+from pruner.runs.resources import (
+    Estimate,
+    Sizes,
+    available_memory,
+    calibration_estimate,
+    finished_bytes,
+    gib,
+    statistics_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     est = calibration_estimate(model, replace(sizes, gradient=False))
     parts, g = est.parts, arch.geometry(model)
     work = parts.get("activations", 0) + parts.get("capture", 0)
-    sums = statistics_bytes(model, sizes) // 2  # the finished sums (the estimate counts them twice)
+    sums = finished_bytes(model, sizes)  # the finished sums (the estimate counts them twice, float64)
+    layer = statistics_bytes(model, sizes) // 2 // g.n_layers  # one layer's sums while they accumulate (float64)
     grams = g.n_layers * (g.n_heads * g.head_dim) ** 2 * 4  # W_O^T W_O per layer, float32
     square = (g.n_heads * g.head_dim) ** 2 * 8  # one layer's (H d_head)^2 float64 matrix
     scoring = {"refit-aware scorer's systems (every layer + one being built)": (g.n_layers + 3) * square} \
@@ -72,13 +81,54 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     act = next(model.parameters()).element_size()
     hidden = (samples + sizes.batch_size) * sizes.length * d_model * act
     # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
-    layer_sums = {"one layer's batch sums": sums // g.n_layers} if cpu else \
-        {"one layer's sums (total + batch)": 2 * sums // g.n_layers}
+    layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
     dev = Estimate({"weights outside the blocks": parts["model"] - g.n_layers * one, "one block": one,
                     **layer_sums, "one batch": work})
     host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
                      "W_O^T W_O of every layer": grams, **scoring})
     return MemoryPlan(onload, dev, host, cpu)
+
+
+def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False) -> MemoryPlan:
+    """Refuse, before any compute, a layer-by-layer calibration whose peak exceeds what is free -- on the
+    device and on the host (one memory on a CPU) -- naming the settings that would fit. The weights outside
+    the blocks are already loaded. Returns the plan."""
+    from pruner.runs.resources import ResourceError
+
+    def short(z: Sizes, n: int, sys: bool) -> list[str]:  # where it does not fit: "host needs X, Y free"
+        plan = memory_plan(model, z, n, "sequential", device, sys)
+        outside = plan.device.parts["weights outside the blocks"]
+        checks = [("memory", plan.total - outside, available_memory("cpu"))] if plan.cpu else \
+            [(str(device), plan.device.total - outside, available_memory(device)),
+             ("host", plan.host.total, available_memory("cpu"))]
+        return [f"{where} needs about {gib(need)} more and has {gib(free)} free" for where, need, free in checks
+                if free is not None and need > free]
+
+    missing = short(sizes, samples, systems)
+    if not missing:
+        return memory_plan(model, sizes, samples, "sequential", device, systems)
+    options = []
+    if sizes.moments == "float64":
+        options.append(("capture.moments: float32 (the joint moments stored in half)", replace(sizes, moments="float32"),
+                        samples, systems))
+    if sizes.folds:
+        options.append(("surgery.ridge: a number such as 0.1 instead of auto (no fold moments)",
+                        replace(sizes, folds=0), samples, systems))
+    if systems:
+        options.append(("scorer.name: sink-aware (no refit system per layer)", sizes, samples, False))
+    n = samples // 2
+    while n >= 1 and short(sizes, n, systems):
+        n //= 2
+    if n >= 1:
+        options.append((f"calibration.num_samples: {n} (fewer hidden states kept)", sizes, n, systems))
+    fits = [name for name, z, k, sys in options if not short(z, k, sys)]
+    if not fits and options:  # none alone: all of them together?
+        z = replace(sizes, moments="float32", folds=0)
+        if not short(z, max(n, 1), False):
+            fits = [" and ".join(name for name, *_ in options)]
+    raise ResourceError(f"not enough memory for the layer-by-layer calibration: the {'; the '.join(missing)}; "
+                        + ("set " + ", or ".join(fits) if fits else "no setting here fits this machine: use one "
+                           "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
 
 
 def after_plan(model, windows: int | None, length: int) -> str:

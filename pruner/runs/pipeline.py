@@ -36,20 +36,28 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import resources
+from pruner.runs import memory_plan, resources
 from pruner.runs.context import Session, resident
 from pruner.runs.recipe import Recipe, SurgerySpec
 
 
-def scoring_inputs(session: Session, gradient: bool, progress: bool = True, ablation: bool = False) -> ScoringInputs:
+def scoring_inputs(session: Session, gradient: bool, progress: bool = True, ablation: bool = False,
+                   systems: bool = False) -> ScoringInputs:
     """The calibration pass (capture, the gradient pass and the single-head ablations when a scorer needs
     them), after checking that its estimated peak memory fits (`pruner.runs.resources`). The ablations
     remove each head with the recipe's compensation (surgery.compensation), on scorer.ablation_samples."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     folds = r.surgery.folds if r.surgery.ridge == "auto" else 0  # cross-validating refit's ridge
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds)
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds,
+                        moments=r.capture.moments)
     if session.onloader is not None:  # one block resident at a time
+        if r.capture.memory_check:  # systems: the refit-aware scorer's, kept while it selects
+            memory_plan.check_sequential(session.model, resources.Sizes(
+                batch_size=min(r.calibration.batch_size, len(session.calibration)),
+                length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
+                pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments),
+                len(session.calibration), session.onloader.device, systems)
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
                                    session.onloader, device=session.onloader.device,
                                    batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,
@@ -121,7 +129,7 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     check_target(geom, cfg)  # an impossible target fails before any calibration compute
     if inputs is None:
         inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress,
-                                ablation=scorer.needs_ablation)
+                                ablation=scorer.needs_ablation, systems=scorer.needs_systems)
     plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
     sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
     if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here

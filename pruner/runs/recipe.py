@@ -212,6 +212,10 @@ class CaptureSpec(_Strict):
     metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
     memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
                                                  "the free memory")
+    moments: Literal["float64", "float32"] = Field(
+        "float64", description="storage of each layer's finished joint second moment of the head outputs (most "
+                               "of the calibration's host memory: L x (heads x d_head)^2): accumulated in float64 "
+                               "either way; float32 halves it (plans and refits checked unchanged, docs/scaling.md)")
     onload: Literal["auto", "all", "sequential"] = Field(
         "auto", description="all: the whole model resident during calibration; sequential: one block at a time, "
                             "read from the checkpoint's safetensors (models larger than memory); auto: sequential "

@@ -66,6 +66,7 @@ class Sizes:
     across_layers: bool = False    # pair matrices between all heads of the model (analyze)
     folds: int = 0                 # the output moments per calibration fold (refit's ridge `auto`)
     channels: bool = False         # the sink / content channels' second moments (CaptureConfig.channels)
+    moments: str = "float64"       # storage of the finished joint second moments (CaptureConfig.moments)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,16 @@ def statistics_bytes(model, sizes: Sizes) -> int:
     moments = (3 * H * D + (3 if sizes.channels else 1) * H * D * D + (H * D) ** 2) if sizes.outputs else 0
     moments += sizes.folds * (1 + H * D + (H * D) ** 2)
     return 2 * L * (pairs + moments) * 8
+
+
+def finished_bytes(model, sizes: Sizes) -> int:
+    """The finished sums a calibration hands on (one copy of `statistics_bytes`), the joint second moments
+    (and the folds') in `sizes.moments`."""
+    total = statistics_bytes(model, sizes) // 2
+    if sizes.outputs and sizes.moments == "float32":
+        s = _shape(model)
+        total -= s["L"] * (1 + sizes.folds) * (s["H"] * s["D"]) ** 2 * 4
+    return total
 
 
 def calibration_estimate(model, sizes: Sizes) -> Estimate:
