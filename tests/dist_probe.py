@@ -57,9 +57,11 @@ def main() -> None:
 
         layered = capture_layerwise(model, batch, SinkSpec("first"), None, CaptureConfig(
             metrics=("cosine", "js"), outputs=True, folds=3), Resident(model, "cpu"), batch_size=2)
-        stats.update({f"layerwise/outputs/{i}/joint": m.joint for i, m in enumerate(layered.outputs)})
-        stats.update({f"layerwise/folds/{i}/joint": m.joint for i, m in enumerate(layered.folds)})
-        stats["layerwise/sink_mass"] = layered.sink_mass
+        if layered is not None:  # several processes: only rank 0 keeps the layer-by-layer sums
+            stats.update({f"layerwise/outputs/{i}/joint": m.joint for i, m in enumerate(layered.outputs)})
+            stats.update({f"layerwise/folds/{i}/joint": m.joint for i, m in enumerate(layered.folds)})
+            stats["layerwise/sink_mass"] = layered.sink_mass
+        out.setdefault("kept", {})[family] = distributed.all_objects(layered is not None)
         out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,
                        "nll": nll, "count": count, "plans": plans, "refit": comp}
     if distributed.is_main():

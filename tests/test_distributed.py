@@ -49,6 +49,7 @@ def test_two_processes_give_the_statistics_and_plans_of_one(tmp_path):
     launch([str(PROBE), str(tmp_path / "two.pt")], 2)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["world"], two["world"]) == (1, 2)
+    assert two["kept"] == {"gpt2": [True, False], "llama": [True, False]}  # layer by layer: rank 0 alone keeps sums
     for family in ("gpt2", "llama"):
         a, b = one[family], two[family]
         assert a["stats"].keys() == b["stats"].keys()
@@ -84,3 +85,26 @@ def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
     assert e1["windows"] == e2["windows"] == 5 and e1["tokens"] == e2["tokens"]
     for key in ("base", "pruned", "delta", "ci_low", "ci_high"):
         assert e2[key] == pytest.approx(e1[key], rel=1e-9, abs=1e-12), key
+
+
+def test_prune_layer_by_layer_under_torchrun_writes_the_run_of_one_process(tmp_path):
+    """Blocks read from disk in two processes: rank 0 alone keeps the sums, selects and compensates, and hands the
+    plan and the compensation to the other; the run folder is the one process's (plan, perplexities, model/)."""
+    from safetensors.torch import load_file
+
+    quick = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=6", "--set", "evaluation.bootstrap=20",
+             "--set", "capture.onload=sequential", "--set", "bench.enabled=false", "--set", "evaluation.latency=false",
+             "--set", "surgery.compensation=refit", "--set", "surgery.ridge=0.1"]
+    recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
+    launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
+    launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)
+    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+    assert read("one", "plan.json")["heads"] == read("two", "plan.json")["heads"]
+    e1, e2 = read("one", "metrics.json")["evaluation"], read("two", "metrics.json")["evaluation"]
+    for key in ("base", "pruned", "delta"):
+        assert e2[key] == pytest.approx(e1[key], rel=1e-6), key
+    for f in ("compensation.safetensors", "model/model-00002-of-00005.safetensors"):
+        a, b = load_file(str(tmp_path / "one" / f)), load_file(str(tmp_path / "two" / f))
+        assert a.keys() == b.keys() and a
+        for k in a:  # float32 products of other batch compositions, amplified by the ridge solve
+            torch.testing.assert_close(b[k].float(), a[k].float(), rtol=0, atol=1e-3 * float(a[k].float().abs().max()))

@@ -340,23 +340,29 @@ class Capture:
             raise ValueError("auto_sinks needs a Capture with SinkSpec('auto') that has run")
         return auto_sink_spec(self._received, self.sinks.eps)
 
-    def result(self) -> sums.HeadStats:
+    def result(self) -> sums.HeadStats | None:
         """Finalised statistics; with several processes, of all their samples (each layer's sums reduced with
-        tensor collectives, added in rank order: `distributed.reduce_tree`)."""
-        have = distributed.all_objects(sorted(self.layers))
-        if any(h != have[0] for h in have):  # a process without samples: the others' layers, merged as objects
-            layers = {}
-            for part in distributed.all_objects({i: s.to("cpu") for i, s in self.layers.items()}):
-                for i, s in part.items():
-                    layers[i] = s if i not in layers else layers[i] + s
+        tensor collectives, added in rank order: `distributed.reduce_tree`). Layers already reduced as they
+        finished (`reduced`, layer by layer) stay where the reduction left them: on rank 0 only, so the other
+        processes get None."""
+        if self.reduced:
+            layers = dict(self.layers)
         else:
-            layers = {i: self.layers[i] if i in self.reduced else distributed.reduce_tree(self.layers[i].to("cpu"))
-                      for i in have[0]}
+            have = distributed.all_objects(sorted(self.layers))
+            if any(h != have[0] for h in have):  # a process without samples: the others' layers, merged as objects
+                layers = {}
+                for part in distributed.all_objects({i: s.to("cpu") for i, s in self.layers.items()}):
+                    for i, s in part.items():
+                        layers[i] = s if i not in layers else layers[i] + s
+            else:
+                layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
         layers = {i: s.stored(self.config.moments) for i, s in layers.items()}
         residual, tokens = self._residual, self._tokens
         if self.config.outputs and residual is not None:
             both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))
             residual, tokens = both[:-1], float(both[-1])
+        if self.reduced and not distributed.is_main():
+            return None
         if not layers:
             raise ValueError("nothing captured: run at least one batch")
         stats = sums.finalize([layers[i] for i in sorted(layers)])

@@ -36,7 +36,9 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     given the layer's finished sums (over every process), may return a context -- the block pruned and
     compensated, say -- in which the layer's batches run again, uncaptured, for the next block to see
     (`pruner.core.layerwise.run_blocks`); the sums are then the caller's: they are not kept, and nothing
-    is returned (one layer's sums in memory at a time, each reduced over processes once)."""
+    is returned (one layer's sums in memory at a time, each reduced over processes once). Otherwise, with
+    several processes, each layer's sums are reduced as the layer finishes and only rank 0 keeps them: the
+    other processes get None (memory per process flat in their number, and one copy of the sums per run)."""
     if sinks.mode == "auto" or config.across_layers:
         raise ValueError("capture.onload: sequential captures pruning's statistics; auto sinks and the model-wide "
                          "pairs of `analyze` need every layer at once (capture.onload: all)")
@@ -45,7 +47,8 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     K = config.folds
     folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
     mine = distributed.shard(batch)
-    if (rerun is not None or config.moments != "float64") and min(distributed.all_objects(len(mine))) == 0:
+    reduce_now = distributed.world_size() > 1 or config.moments != "float64"
+    if (rerun is not None or reduce_now) and min(distributed.all_objects(len(mine))) == 0:
         raise ValueError(f"{distributed.world_size()} processes and {len(batch)} calibration windows: a layer-by-layer "
                          "pass that reduces each layer as it goes needs a window for every process; use fewer "
                          "processes or more calibration.num_samples")
@@ -63,8 +66,10 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
                 on_layer(layer)
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
                 cap.layers[layer] = cap.layers[layer].to("cpu")
-            if rerun is None and config.moments != "float64":  # kept in less: reduced over processes first
-                cap.layers[layer] = distributed.reduce_tree(cap.layers[layer]).stored(config.moments)
+            if rerun is None and reduce_now:  # reduced as it finishes: rank 0 alone keeps it, as stored
+                total = distributed.reduce_tree(cap.layers.pop(layer), to_root=True)
+                if total is not None:
+                    cap.layers[layer] = total.stored(config.moments)
                 cap.reduced.add(layer)
 
         def again(layer: int) -> AbstractContextManager | None:

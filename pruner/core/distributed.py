@@ -112,6 +112,46 @@ def all_objects(x) -> list:
     return parts
 
 
+def broadcast_object(x):
+    """Rank 0's `x` on every process (pickled: for small things, a plan's heads and scores)."""
+    if world_size() == 1:
+        return x
+    box = [x if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def from_root(compute):
+    """`compute()` on rank 0 alone, its (small, picklable) value on every process; an exception on rank 0 is
+    raised on every process (the others would otherwise wait for it forever)."""
+    if world_size() == 1:
+        return compute()
+    value = error = None
+    if rank() == 0:
+        try:
+            value = compute()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process
+            error = e
+    error, value = broadcast_object((error, value))
+    if error is not None:
+        raise error
+    return value
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's named tensors on every process, by tensor collectives, one at a time (only their names, shapes
+    and dtypes are pickled): what rank 0 alone computed from the sums only it keeps."""
+    if world_size() == 1:
+        return tensors
+    meta = broadcast_object({k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} if rank() == 0 else None)
+    out = {}
+    for k, (shape, dtype) in meta.items():
+        t = tensors[k].detach().to("cpu").contiguous() if rank() == 0 else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0)
+        out[k] = t
+    return out
+
+
 def leaves(x) -> list[torch.Tensor]:
     """The tensors of a tree of dataclasses, dicts (sorted keys), lists and tuples, in a fixed order."""
     if isinstance(x, torch.Tensor):
@@ -139,13 +179,14 @@ def with_leaves(x, values: list[torch.Tensor]):
     return x
 
 
-def reduce_tree(x):
+def reduce_tree(x, to_root: bool = False):
     """Sum a tree of float64 sums (a layer's `LayerStats`, say) over processes with tensor collectives.
 
     Flattened into one float64 buffer; rank 0 receives the others' buffers one at a time and adds them
     in rank order (the same order, and so the same rounding, as `sum_in_rank_order`), then broadcasts
     the total. Each process holds its own buffer and the total -- never world-size copies -- so memory
-    per process does not grow with the number of processes, and nothing is pickled.
+    per process does not grow with the number of processes, and nothing is pickled. With `to_root` the
+    total stays on rank 0 (the others get None and keep nothing).
     """
     if world_size() == 1:
         return x
@@ -158,7 +199,10 @@ def reduce_tree(x):
             buf += incoming
     else:
         dist.send(buf, dst=0)
-    dist.broadcast(buf, src=0)
+    if to_root and rank() != 0:
+        return None
+    if not to_root:
+        dist.broadcast(buf, src=0)
     out, i = [], 0
     for t in parts:
         out.append(buf[i:i + t.numel()].view(t.shape).to(t.dtype))

@@ -28,8 +28,9 @@ from pruner.pruning.surgery import Compensation, masked
 def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
                         onloader: Onloader, *, device="cpu", batch_size: int = 8, seed: int = 0,
                         progress: bool = False, ridge: float | str = 1e-3, gradient: bool = False,
-                        ablation=None) -> ScoringInputs:
-    """`calibrate` with one block resident at a time; see the module docstring."""
+                        ablation=None) -> ScoringInputs | None:
+    """`calibrate` with one block resident at a time; see the module docstring. With several processes only
+    rank 0 keeps the sums and what is built from them (`capture_layerwise`): the others get None."""
     if gradient or ablation:
         what = "the gradient scorer's backward pass" if gradient else "single-head ablations"
         raise ValueError(f"{what} needs the whole model at once: capture.onload: all, or a scorer that reads "
@@ -42,11 +43,15 @@ def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, co
 
     def on_layer(layer: int) -> None:
         nonlocal grams
+        if not distributed.is_main():  # what rank 0 alone keeps
+            return
         grams, norms[layer] = layer_gram(model, layer, grams), weight_norm(model, layer)
         intercept[layer] = arch.o_bias(model, layer) is not None
 
     stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
                               on_layer=on_layer)
+    if stats is None:
+        return None
     return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, g), weight_norm=torch.stack(norms), seed=seed,
                          cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=tuple(intercept),
                          ridge=PRICING_RIDGE if ridge == "auto" else ridge)

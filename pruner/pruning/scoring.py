@@ -40,6 +40,12 @@ class ScoringInputs:
     _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
     _costs: dict = field(default_factory=dict, repr=False, compare=False)  # refit_costs' per layer, by alive set
 
+    def release(self) -> None:
+        """Drop what `refit_systems` and `refit_costs` keep (a float64 (H d_head)^2 per layer): rebuilt if read
+        again."""
+        self._systems.clear()
+        self._costs.clear()
+
     def refit_systems(self) -> list[refit.System]:
         """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
         Cholesky factor and inverse per layer, which scorers that do not need it never pay for)."""

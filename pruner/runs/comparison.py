@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from pruner.core import arch
+from pruner.core import arch, distributed
 from pruner.pruning.scoring import get_scorer
 from pruner.pruning.selection import SelectionError, select, shape_note
 from pruner.runs.context import Session, resident
 from pruner.runs.pipeline import (
     base_metrics,
     check_refit_tokens,
-    compensation,
     evaluate_plan,
     refit_record,
+    root_keeps,
     scoring_inputs,
     selection_config,
+    shared_compensation,
     stage,
 )
 
@@ -47,20 +48,22 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         try:
             cfg = selection_config(recipe, session.model, target, budget, gqa)
             key["budget"] = cfg.budget
-            plan = select(scorer, inputs, geom, cfg)
+            plan = distributed.from_root(lambda: select(scorer, inputs, geom, cfg)) if root_keeps(session) else \
+                select(scorer, inputs, geom, cfg)  # layer by layer, several processes: rank 0 alone has the sums
         except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
             records += [{**key, "compensation": c, "error": str(e)} for c in compensations]
             continue
         for kind in compensations:  # each finished evaluation is a stage: a resumed compare does what is left
             spec = recipe.surgery.model_copy(update={"compensation": kind})
-            comp = compensation(session.model, plan.heads, spec, inputs, session)  # recomputed on resume
+            comp = shared_compensation(session, plan.heads, spec, inputs)  # recomputed on resume
             m = stage(session, f"compare-{len(records)}",
                       lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
             fit = refit_record(comp, spec, inputs)
             records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
                             **({"note": note} if (note := shape_note(geom, cfg)) else {}),
                             "heads": {str(k): v for k, v in plan.heads.items()}, **m,
-                            **({"scorer_cost": inputs.costs[name]} if name in inputs.costs else {}),
+                            **({"scorer_cost": inputs.costs[name]} if inputs is not None and name in inputs.costs
+                               else {}),
                             **({} if fit is None else {"unexplained": fit["unexplained"],
                                                        "unexplained_relative": fit["relative"]})})
     return records

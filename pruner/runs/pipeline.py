@@ -130,13 +130,47 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     if inputs is None:
         inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress,
                                 ablation=scorer.needs_ablation, systems=scorer.needs_systems)
-    plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
-    sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
-    if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
-        naive = get_scorer("cosine")
-        sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
-    return replace(plan, geometry=geom, sensitivity=sens, sink_mass=inputs.stats.sink_mass,
-                   calibration=inputs, note=shape_note(geom, cfg))
+
+    def choose() -> Plan:
+        plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
+        sens = convention_sensitivity(scorer, inputs, geom, cfg, plan)
+        if sens is None:  # not an attention-redundancy scorer: show how fragile the naive one is here
+            naive = get_scorer("cosine")
+            sens = convention_sensitivity(naive, inputs, geom, cfg, select(naive, inputs, geom, cfg))
+        inputs.release()  # the refit-aware scorer's systems: kept while it selected, read by nothing after
+        return replace(plan, geometry=geom, sensitivity=sens, sink_mass=inputs.stats.sink_mass,
+                       note=shape_note(geom, cfg))
+    if not root_keeps(session):
+        return replace(choose(), calibration=inputs)
+    plan = distributed.from_root(choose)  # rank 0 alone holds the sums: it selects, the others receive
+    return replace(plan, calibration=inputs if distributed.is_main() else None)
+
+
+def root_keeps(session: Session) -> bool:
+    """Whether only rank 0 keeps the calibration's sums (several processes, layer by layer): it then selects
+    and compensates alone, and hands the others the plan and the compensation."""
+    return session.onloader is not None and distributed.world_size() > 1
+
+
+def shared_compensation(session: Session, heads: dict[int, list[int]], spec: SurgerySpec,
+                        inputs: ScoringInputs | None) -> surgery.Compensation:
+    """`compensation` on every process: computed by each where each can (zero; a sequential refit, which
+    reduces each layer's sums as it goes), else by rank 0 from the sums it alone keeps and broadcast with
+    tensor collectives."""
+    if not root_keeps(session) or spec.compensation == "zero" or \
+            (spec.compensation == "refit" and spec.refit_mode == "sequential"):
+        return compensation(session.model, heads, spec, inputs, session)
+    held = {}
+
+    def compute() -> surgery.Compensation:  # rank 0: the whole of it kept here, its kind and fits sent
+        held["comp"] = compensation(session.model, heads, spec, inputs, session)
+        return surgery.Compensation(held["comp"].kind, fits=held["comp"].fits)
+    comp = distributed.from_root(compute)
+    mine = held.get("comp")
+    bias = distributed.broadcast_tensors(None if mine is None else {str(k): v for k, v in mine.bias.items()})
+    weight = distributed.broadcast_tensors(None if mine is None else {str(k): v for k, v in mine.weight.items()})
+    return surgery.Compensation(comp.kind, {int(k): v for k, v in bias.items()},
+                                {int(k): v for k, v in weight.items()}, comp.fits)
 
 
 def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs | None,
@@ -149,7 +183,7 @@ def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inp
     kind = spec.compensation
     if kind == "zero":
         return surgery.Compensation()
-    if inputs is None:
+    if inputs is None and not (kind == "refit" and spec.refit_mode == "sequential" and session is not None):
         raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
                          "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
                          "this model, or use compensation='zero'")
@@ -302,7 +336,11 @@ def run(session: Session, progress: bool = True) -> RunResult:
     params_before = sum(p.numel() for p in model.parameters())
     timed = recipe.evaluation.latency and not layerwise
     latency_before = latency_ms(model, session.evaluation) if timed else None
-    comp = compensation(model, plan.heads, recipe.surgery, plan.calibration, session)
+    comp = shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
+    fit = refit_record(comp, recipe.surgery, plan.calibration)
+    cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
+    if layerwise:  # what the sums were kept for is done: nothing after this reads them (model/ is written next)
+        plan = replace(plan, calibration=None)
     # scoped mask: the same numbers as the surgery below
     m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
     gains = None if layerwise else measure_gains(session, plan.heads, comp, progress)  # the model is still the base
@@ -328,11 +366,10 @@ def run(session: Session, progress: bool = True) -> RunResult:
         **({"bench": gains} if gains is not None else {}),
         "seconds": round(time.time() - t0, 1),
     }
-    fit = refit_record(comp, recipe.surgery, plan.calibration)
     if fit is not None:
         metrics["refit"] = fit
-    if plan.scorer in plan.calibration.costs:  # a measured scorer: what its extra passes cost
-        metrics["scorer_cost"] = plan.calibration.costs[plan.scorer]
+    if cost is not None:
+        metrics["scorer_cost"] = cost
     return RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
 
 
