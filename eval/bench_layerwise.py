@@ -140,8 +140,8 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
 
 def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: int, dump: Path) -> dict | None:
     """In each process of a torchrun group (or alone): the layer-by-layer calibration from disk on this
-    process's share of the windows; rank 0 saves the statistics to `dump` and returns every rank's peak RSS
-    and the plans."""
+    process's share of the windows (each layer's sums reduced to rank 0 as it finishes: the others keep none);
+    rank 0 selects, saves the statistics to `dump` and returns every rank's peak RSS and the plans."""
     from dataclasses import asdict
 
     from pruner.attention.capture import CaptureConfig
@@ -161,8 +161,9 @@ def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: i
                                  CaptureConfig(metrics=("cosine",), outputs=True), lazy, batch_size=4, ridge=ridge)
     cal_s = time.perf_counter() - t0
     g = arch.geometry(lazy.model)
-    plans = {name: select(get_scorer(name), inputs, g, SelectionConfig(target=0.25)).heads
-             for name in ("sink-aware", "refit-energy")}
+    plans = None if inputs is None else {  # several processes: rank 0 alone keeps the sums and selects
+        name: select(get_scorer(name), inputs, g, SelectionConfig(target=0.25)).heads
+        for name in ("sink-aware", "refit-energy")}
     peaks = distributed.all_objects(_peak())
     if not distributed.is_main():
         return None

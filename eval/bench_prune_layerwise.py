@@ -1,6 +1,7 @@
 """`pruner prune` end to end on a model larger than half this machine's memory, never whole in memory (issue 24).
 
     python eval/bench_prune_layerwise.py 8b                    # Llama-3-8B shape, 14.96 GiB in bfloat16
+    python eval/bench_prune_layerwise.py 8b --scorer sink-aware --moments float32   # the lean settings
     python eval/bench_prune_layerwise.py 70b-width --layers 2  # the 70B width, cut to 2 blocks
 
 The checkpoint is the one `eval/bench_layerwise.py` writes (random bfloat16 weights from the public config, one
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = """\
 model: {{path: {folder}, dtype: bfloat16}}
-capture: {{onload: sequential, metrics: [cosine]}}
+capture: {{onload: sequential, metrics: [cosine], moments: {moments}}}
 calibration: {{data: shakespeare:calibration, length: {length}, num_samples: {windows}, batch_size: 4}}
 evaluation: {{data: shakespeare:evaluation, length: {length}, num_samples: {windows}, batch_size: 4, latency: false,
              bootstrap: 200}}
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scorer", default="refit-energy")
+    ap.add_argument("--moments", default="float64", choices=["float64", "float32"])
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
     args = ap.parse_args()
 
@@ -65,7 +67,7 @@ def main() -> None:
     work.mkdir(parents=True)
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
-                                    threads=args.threads, scorer=args.scorer))
+                                    threads=args.threads, scorer=args.scorer, moments=args.moments))
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
                           capture_output=True, text=True)
@@ -78,17 +80,19 @@ def main() -> None:
     m = json.loads((work / "run" / "metrics.json").read_text())
     r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
         "num_attention_heads"], "windows": args.windows, "length": args.length, "threads": args.threads,
-         "scorer": args.scorer,
+         "scorer": args.scorer, "moments": args.moments,
          "base_bytes": base, "pruned_bytes": pruned, "peak_rss": peak, "peak_over_model": peak / base,
          "wall_s": wall, "pruned_heads": m["pruned_heads"], "total_heads": m["total_heads"],
          "layout": m.get("model_layout"), "evaluation": m["evaluation"], "seconds_in_run": m["seconds"]}
     gib = lambda n: n / 2**30  # noqa: E731
-    print(f"{args.model} ({r['layers']} layers), {args.windows} windows x {args.length} tokens, {args.threads} threads")
+    print(f"{args.model} ({r['layers']} layers), {args.windows} windows x {args.length} tokens, {args.threads} threads, "
+          f"scorer {args.scorer}, capture.moments {args.moments}")
     print(f"  base checkpoint {gib(base):.2f} GiB; pruned {m['pruned_heads']}/{m['total_heads']} heads -> "
           f"{gib(pruned):.2f} GiB ({m.get('model_layout')}, {1 - pruned / base:.1%} smaller)")
     print(f"  pruner prune, end to end: peak RSS {gib(peak):.2f} GiB ({peak / base:.0%} of the model), "
           f"{wall:.0f} s")
-    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{args.model}-{args.layers or 'all'}.json"
+    tag = "" if (args.scorer, args.moments) == ("refit-energy", "float64") else f"-{args.scorer}-{args.moments}"
+    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{args.model}-{args.layers or 'all'}{tag}.json"
     out.write_text(json.dumps(r, indent=1) + "\n")
     print(f"wrote {out}")
 
