@@ -48,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
           (f", {folds} folds for ridge auto" if folds else "") + "\n")
     print(mp.render(plans, m.device, chosen))
     ev = recipe.evaluation
-    print("\n" + mp.after_plan(model, ev.num_samples, ev.length))
+    print("\n" + mp.after_plan(model, ev.num_samples, ev.length, ev.batch_size))
     return 0

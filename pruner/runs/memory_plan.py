@@ -131,7 +131,7 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
                            "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
 
 
-def after_plan(model, windows: int | None, length: int) -> str:
+def after_plan(model, windows: int | None, length: int, batch: int = 8) -> str:
     """What the stages after the plan hold (a note under the table), with the blocks on disk: perplexity
     (`prune` and `compare`) keeps every evaluation window's hidden states on the host and one block on the
     device (`pruner.evaluation.perplexity.window_scores`); `prune` writes model/ a block at a time and reads it
@@ -144,9 +144,11 @@ def after_plan(model, windows: int | None, length: int) -> str:
     outside = weights - g.n_layers * block_bytes(model)
     hidden = "" if windows is None else \
         f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens),"
+    vocab = getattr(model.config, "vocab_size", 0) or 0
+    logits = batch * length * vocab * (act + 8)  # the LM head's output, its float32 copy and log-softmax
     return (f"after the plan, with the blocks on disk: `pruner prune` and `pruner compare` evaluate one block at a "
             f"time{hidden} device {gib(outside + block_bytes(model))} of weights (outside the blocks + one block) "
-            f"and one batch; `prune` writes model/ ({gib(weights)} before pruning) a block at a time and reads it "
+            f"and one batch ({gib(logits)} of logits); `prune` writes model/ ({gib(weights)} before pruning) a block at a time and reads it "
             f"back the same way: {gib(2 * outside + block_bytes(model))} of weights (outside the blocks twice + "
             "one block); evaluation.tasks, latency and bench need the whole model")
 

@@ -332,15 +332,15 @@ def run(session: Session, progress: bool = True) -> RunResult:
     if not layerwise:
         resident(session)
     model = session.model
+    comp = shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
+    fit = refit_record(comp, recipe.surgery, plan.calibration)
+    cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
+    if layerwise:  # what the sums were kept for is done: the evaluations and model/ read none of them
+        plan = replace(plan, calibration=None)
     base = base_metrics(session, progress)
     params_before = sum(p.numel() for p in model.parameters())
     timed = recipe.evaluation.latency and not layerwise
     latency_before = latency_ms(model, session.evaluation) if timed else None
-    comp = shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
-    fit = refit_record(comp, recipe.surgery, plan.calibration)
-    cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
-    if layerwise:  # what the sums were kept for is done: nothing after this reads them (model/ is written next)
-        plan = replace(plan, calibration=None)
     # scoped mask: the same numbers as the surgery below
     m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
     gains = None if layerwise else measure_gains(session, plan.heads, comp, progress)  # the model is still the base
