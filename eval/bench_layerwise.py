@@ -112,6 +112,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     from pruner.runs.resources import Sizes
 
     torch.set_num_threads(threads)
+    baseline = _peak()  # the interpreter with torch and transformers imported: not pruner's to predict
     t0 = time.perf_counter()
     lazy = lazy_model(folder, "bfloat16")
     load_s = time.perf_counter() - t0
@@ -133,7 +134,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     return {"layers": g.n_layers, "windows": windows, "length": length, "threads": threads,
             "model_bytes_on_disk": disk, "resident_weights": _materialised(lazy.model), "load_s": load_s,
             "plain_s": plain_s, "calibrate_s": cal_s, "calibrate_over_plain": cal_s / plain_s,
-            "peak_rss_plain": peak_plain, "peak_rss": _peak(), "predicted_peak": plan.total,
+            "peak_rss_plain": peak_plain, "peak_rss": _peak(), "baseline_rss": baseline, "predicted_peak": plan.total,
             "predicted_parts": {**{f"device/{k}": v for k, v in plan.device.parts.items()},
                                 **{f"host/{k}": v for k, v in plan.host.parts.items()}}}
 
@@ -200,7 +201,7 @@ def compare_processes(args, folder: Path, env: dict) -> None:
         dump.unlink()
     one, many = runs[1], runs[args.procs]
     worst = max(((k, float((many["stats"][k] - v).abs().max() / v.abs().max().clamp_min(1e-300)))
-                 for k, v in one["stats"].items()), key=lambda kv: kv[1])
+                 for k, v in one["stats"].items() if v.numel()), key=lambda kv: kv[1])  # uu/ww: empty unless asked
     gb = lambda n: n / 2**30  # noqa: E731
     r = {k: v for k, v in one.items() if k not in ("stats", "peak_rss_per_process", "calibrate_s", "processes",
                                                    "plans")}
@@ -264,8 +265,13 @@ def main() -> None:
           f"{gb(r['resident_weights']):.2f} GiB")
     print(f"  plain layer-by-layer forward {r['plain_s']:.1f} s, calibration {r['calibrate_s']:.1f} s "
           f"({r['calibrate_over_plain']:.2f}x)")
-    print(f"  peak RSS {gb(r['peak_rss']):.2f} GiB ({r['peak_rss'] / r['model_bytes_on_disk']:.0%} of the model); "
-          f"memory model {gb(r['predicted_peak']):.2f} GiB (measured / predicted {r['peak_rss'] / r['predicted_peak']:.2f})")
+    above = r["peak_rss"] - r["baseline_rss"]
+    print(f"  peak RSS {gb(r['peak_rss']):.2f} GiB ({r['peak_rss'] / r['model_bytes_on_disk']:.0%} of the model), "
+          f"{gb(above):.2f} GiB above the interpreter with torch imported ({gb(r['baseline_rss']):.2f} GiB); "
+          f"memory model {gb(r['predicted_peak']):.2f} GiB (measured above the interpreter / predicted "
+          f"{above / r['predicted_peak']:.2f})")
+    for part, n in r["predicted_parts"].items():
+        print(f"    predicted {part}: {gb(n):.2f} GiB")
     write(f"{args.model}{'-' + str(args.layers) if args.layers else ''}", r)
 
 

@@ -7,7 +7,8 @@
   finished sums (float64), every layer's W_O^T W_O (float32, `pruner.pruning.calibrate.layer_grams`) and,
   when the device is a GPU, the weights while `from_pretrained` loads them;
 - `sequential` (one block at a time, `pruner.core.layerwise`): the device holds the weights outside
-  the blocks (embeddings, final norm, LM head), one block, one layer's sums (on a CPU only the batch's
+  the blocks (embeddings, final norm, LM head; on a CPU they stay memory-mapped from the checkpoint and
+  only what is read is resident: the embedding rows of the calibration tokens, no LM head), one block, one layer's sums (on a CPU only the batch's
   copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
   replaced), the finished layers' sums and their W_O^T W_O.
 
@@ -82,8 +83,17 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     hidden = (samples + sizes.batch_size) * sizes.length * d_model * act
     # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
     layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
-    dev = Estimate({"weights outside the blocks": parts["model"] - g.n_layers * one, "one block": one,
-                    **layer_sums, "one batch": work})
+    outside = parts["model"] - g.n_layers * one
+    if cpu:  # memory-mapped from the checkpoint: resident as read (embedding rows of the tokens; no LM head yet)
+        emb = model.get_input_embeddings().weight
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        tied = head is not None and head.weight is emb
+        mapped = emb.numel() * act + (0 if head is None or tied else head.weight.numel() * act)
+        rows = min(emb.shape[0], samples * sizes.length)
+        dev = Estimate({"weights outside the blocks (memory-mapped: the rows read)": outside - mapped + rows *
+                        emb.shape[1] * act, "one block": one, **layer_sums, "one batch": work})
+    else:
+        dev = Estimate({"weights outside the blocks": outside, "one block": one, **layer_sums, "one batch": work})
     host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
                      "W_O^T W_O of every layer": grams, **scoring})
     return MemoryPlan(onload, dev, host, cpu)
@@ -97,7 +107,7 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
 
     def short(z: Sizes, n: int, sys: bool) -> list[str]:  # where it does not fit: "host needs X, Y free"
         plan = memory_plan(model, z, n, "sequential", device, sys)
-        outside = plan.device.parts["weights outside the blocks"]
+        outside = next(v for k, v in plan.device.parts.items() if k.startswith("weights outside the blocks"))
         checks = [("memory", plan.total - outside, available_memory("cpu"))] if plan.cpu else \
             [(str(device), plan.device.total - outside, available_memory(device)),
              ("host", plan.host.total, available_memory("cpu"))]
