@@ -254,8 +254,10 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     gib = lambda text: float(text.split()[0])  # noqa: E731
     block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2 / 2**30
     assert gib(rows[("sequential", "device", "one block")]) == pytest.approx(block, abs=0.05)
-    assert gib(rows[("sequential", "device", "weights outside the blocks")]) == pytest.approx(
-        (2 * 128256 * 8192 + 8192) * 2 / 2**30, abs=0.05)
+    # on a CPU the weights outside the blocks stay memory-mapped: resident, the embedding rows the calibration
+    # reads (128 x 2048 tokens: every row of the 128256) and the final norm; the LM head is not read
+    assert gib(rows[("sequential", "device", "weights outside the blocks (memory-mapped: the rows read)")]) == \
+        pytest.approx((128256 * 8192 + 8192) * 2 / 2**30, abs=0.05)
     joint = 80 * 8192 ** 2 * 8 / 2**30  # the joint second moment of every layer, float64: most of the sums
     assert joint < gib(rows[("sequential", "host", "finished sums")]) < 1.05 * joint
     assert gib(rows[("sequential", "host", "W_O^T W_O of every layer")]) == pytest.approx(joint / 2, abs=0.05)  # float32
