@@ -36,6 +36,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     inputs = scoring_inputs(session, gradient=any(get_scorer(s).needs_gradient for s in scorers), progress=progress,
                             ablation=any(get_scorer(s).needs_ablation for s in scorers),
                             systems=any(get_scorer(s).needs_systems for s in scorers))
+    only_root = root_keeps(session)  # decided before `resident` loads the whole model for the tasks
     if session.downstream:  # tasks run the whole model; perplexity runs block by block when the blocks are on disk
         resident(session)
     base = base_metrics(session, progress)
@@ -48,7 +49,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
         try:
             cfg = selection_config(recipe, session.model, target, budget, gqa)
             key["budget"] = cfg.budget
-            plan = distributed.from_root(lambda: select(scorer, inputs, geom, cfg)) if root_keeps(session) else \
+            plan = distributed.from_root(lambda: select(scorer, inputs, geom, cfg)) if only_root else \
                 select(scorer, inputs, geom, cfg)  # layer by layer, several processes: rank 0 alone has the sums
         except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
             records += [{**key, "compensation": c, "error": str(e)} for c in compensations]

@@ -157,8 +157,8 @@ def shared_compensation(session: Session, heads: dict[int, list[int]], spec: Sur
     """`compensation` on every process: computed by each where each can (zero; a sequential refit, which
     reduces each layer's sums as it goes), else by rank 0 from the sums it alone keeps and broadcast with
     tensor collectives."""
-    if not root_keeps(session) or spec.compensation == "zero" or \
-            (spec.compensation == "refit" and spec.refit_mode == "sequential"):
+    if spec.compensation == "zero" or (spec.compensation == "refit" and spec.refit_mode == "sequential") or \
+            all(distributed.all_objects(inputs is not None)):
         return compensation(session.model, heads, spec, inputs, session)
     held = {}
 
