@@ -261,8 +261,8 @@ def main() -> None:
     r = json.loads(done.stdout.strip().splitlines()[-1])
     gb = lambda n: n / 2**30  # noqa: E731
     print(f"{args.model} ({r['layers']} layers), {r['windows']} windows x {r['length']} tokens, {r['threads']} threads")
-    print(f"  model on disk {gb(r['model_bytes_on_disk']):.2f} GiB; resident outside the blocks "
-          f"{gb(r['resident_weights']):.2f} GiB")
+    print(f"  model on disk {gb(r['model_bytes_on_disk']):.2f} GiB; outside the blocks (memory-mapped, resident as "
+          f"read) {gb(r['resident_weights']):.2f} GiB")
     print(f"  plain layer-by-layer forward {r['plain_s']:.1f} s, calibration {r['calibrate_s']:.1f} s "
           f"({r['calibrate_over_plain']:.2f}x)")
     above = r["peak_rss"] - r["baseline_rss"]
