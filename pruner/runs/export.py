@@ -22,7 +22,10 @@ base checkpoint's own dtype unless the recipe's `export.dtype` says otherwise.
 Nothing is published that does not load: the checkpoint is reloaded by every
 route a user has and its logits (atol 1e-5) and greedy generations compared with
 the in-memory model before the temporary folder is renamed into place. The
-reload holds a second copy of the model in memory for that moment.
+reload holds a second copy of the model in memory for that moment -- unless the
+recipe reads the base a block at a time (`capture.onload: sequential`): then dense
+and compact exports are written and checked a block at a time
+(`pruner.checkpoints.streamed`).
 """
 
 from __future__ import annotations
