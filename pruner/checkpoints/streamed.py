@@ -17,8 +17,9 @@
    (decoded the same way while it was written) within `saving.ATOL` and the same next tokens -- the
    cache is where written head counts that do not match the weights would show.
 
-Peak memory: the weights outside the blocks, one block (and its storage-dtype copy when the dtypes
-differ), the check tokens' hidden states. The written shards are one per block plus one for the rest.
+Peak memory: the weights outside the blocks (during the check, the written copy's too; both memory-mapped,
+resident as read), one block (and its storage-dtype copy when the dtypes differ), the check tokens' hidden
+states. The written shards are one per block plus one for the rest.
 """
 
 from __future__ import annotations
