@@ -36,7 +36,7 @@ from pruner.checkpoints import modeling, saving
 from pruner.checkpoints.lazy import LazyBlocks, lazy_model, saved_names
 from pruner.checkpoints.storage import CheckpointError, rounded_to
 from pruner.core import arch, runtime
-from pruner.core.layerwise import first_block_calls, replayed, run_blocks, through
+from pruner.core.layerwise import first_block_calls, replayed, through
 from pruner.pruning import surgery
 
 CACHED = 8  # tokens the KV-cache check puts in the cache before the rest go through it
@@ -100,9 +100,9 @@ class _Expected:
     (`exact`), rounded to the storage dtype (`rounded`: what the files must reproduce), and for a causal LM
     decoded through a KV cache, CACHED tokens then the rest (`prefix`, `rest`)."""
 
-    def __init__(self, model, device, store: torch.dtype):
+    def __init__(self, model, device, store: torch.dtype, ids: torch.Tensor | None = None):
         self.model, self.device, self.store = model, device, store
-        self.ids = saving.check_ids(model).to(device)  # (2, CHECK_TOKENS)
+        self.ids = saving.check_ids(model).to(device) if ids is None else ids  # (2, CHECK_TOKENS)
         self.mask = torch.ones_like(self.ids)
         self.exact = self._calls(self.ids, self.mask)
         self.causal = runtime.attends_causally(model)
@@ -198,14 +198,6 @@ def _write_rest(lazy: LazyBlocks, planned: Planned, tokenizer, folder: Path, sto
     tokenizer.save_pretrained(folder)
 
 
-def _logits_streamed(back: LazyBlocks, ids: torch.Tensor, device, cache=None, mask=None) -> torch.Tensor:
-    """A checkpoint's logits for `ids`, a block at a time (through `cache` when given; `mask` covers it)."""
-    mask = torch.ones_like(ids) if mask is None else mask
-    calls = first_block_calls(back.model, [(ids, mask)], device, storage=device, cache=cache)
-    run_blocks(back, calls, len(arch.blocks(back.model)), device)
-    return _finish(back.model, ids, calls[0].hidden)
-
-
 def _new_cache(model):
     from transformers import DynamicCache
 
@@ -219,16 +211,17 @@ def verify_streamed(folder: Path, dtype: torch.dtype, device, ids: torch.Tensor,
     (B, T - CACHED, V) and the same next tokens. Returns (max diff, generation checked or None, route)."""
     back = lazy_model(folder, str(dtype).removeprefix("torch."), str(device))
     name = f"pruner layer by layer ({back.cls.__name__})"
-    got = _logits_streamed(back, ids, device)
+    read = _Expected(back.model, device, dtype, ids)  # its own dtype: the rounded chain is the plain one
+    for layer in range(len(back.prefixes)):  # every written block read once, for both checks
+        read.run(back.onload(layer))
+        back.offload(layer)
+    got, _, cached = read.logits()
     diff = (got - want).abs().max().item()
     if not diff <= saving.ATOL:
         raise CheckpointError(f"the written checkpoint reloads ({name}) with logits off by {diff:.2e} "
                               f"(more than {saving.ATOL:g}); nothing was published")
     if want_cached is None:
         return diff, None, name
-    cache = _new_cache(back.model)
-    _logits_streamed(back, ids[:, :CACHED], device, cache)
-    cached = _logits_streamed(back, ids[:, CACHED:], device, cache, mask=torch.ones_like(ids))
     off = (cached - want_cached).abs().max().item()
     if not off <= saving.ATOL or not torch.equal(cached.argmax(-1), want_cached.argmax(-1)):
         raise CheckpointError(f"the written checkpoint ({name}) decodes through the KV cache with logits off by "
