@@ -103,10 +103,17 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
         if fmt == "onnx":
             return write_onnx(run, model, tokenizer, tmp, out, repo_id, dtype if dtype in onnx.PRECISIONS else "float32")
         saved = save_checkpoint(model, tokenizer, tmp, fmt == "compact", storage_dtype(run, dtype))
-        shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
-        params = sum(p.numel() for p in model.parameters())
-        model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
-        size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
+        return _with_card(run, fmt, model, saved, tmp, out, repo_id)
+
+
+def _with_card(run: Run, fmt: str, model, saved: saving.Saved, tmp: Path, out: Path,
+               repo_id: str | None) -> Exported:
+    """plan.json and the model card beside a written checkpoint; what was exported. `model`: the pruned model
+    (its shapes; layer by layer its blocks are on the meta device)."""
+    shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
+    params = sum(p.numel() for p in model.parameters())
+    model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
+    size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
                     saved.why_per_layer, saved.generation)
 
@@ -121,12 +128,7 @@ def write_streamed(run: Run, fmt: str, folder: Path, tmp: Path, out: Path, repo_
     heads = provenance.check_fits(run.folder, run.plan, run.compensation, lazy.model)
     saved = streamed.save_streamed(lazy, tokenizer, tmp, heads, run.compensation, fmt == "compact",
                                    storage_dtype(run, dtype), progress=True, label="the export")
-    shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
-    params = sum(p.numel() for p in lazy.model.parameters())  # the pruned shapes (its blocks are on meta)
-    model_card(run, fmt, lazy.model, params, repo_id, saved).save(tmp / "README.md")
-    size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
-    return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
-                    saved.why_per_layer, saved.generation)
+    return _with_card(run, fmt, lazy.model, saved, tmp, out, repo_id)
 
 
 def write_onnx(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | None, dtype: str) -> Exported:
