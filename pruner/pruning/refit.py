@@ -228,8 +228,11 @@ def _pruned_inverse(Q: Tensor, pruned: Tensor, state: dict | None) -> tuple[Tens
     P = pruned.nonzero().flatten()
     if not len(P):
         return P, None
-    old, inv = (state or {}).get("order"), (state or {}).get("inverse")
-    if old is not None and len(old) and bool(pruned[old].all()) and len(old) < len(P):
+    state = {} if state is None else state
+    old, inv = state.get("order"), state.get("inverse")
+    if old is None or not len(old) or not bool(pruned[old].all()):  # P is not a superset of the carried set
+        inv = torch.linalg.inv(Q[P][:, P])
+    elif len(old) < len(P):
         seen = torch.zeros_like(pruned)
         seen[old] = True
         new = P[~seen[P]]  # (k,) the channels pruned since
@@ -239,12 +242,9 @@ def _pruned_inverse(Q: Tensor, pruned: Tensor, state: dict | None) -> tuple[Tens
         vz = v @ zi
         inv = torch.cat([torch.cat([inv + vz @ v.t(), -vz], 1), torch.cat([-vz.t(), zi], 1)], 0)
         P = torch.cat([old, new])
-    elif old is None or not torch.equal(old, P):
-        inv = torch.linalg.inv(Q[P][:, P])
-    else:
+    else:  # the same set, in the carried order
         P = old
-    if state is not None:
-        state.update(order=P, inverse=inv)
+    state.update(order=P, inverse=inv)
     return P, inv
 
 
