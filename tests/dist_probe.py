@@ -3,7 +3,7 @@
     [torchrun --standalone --nproc_per_node 2] tests/dist_probe.py OUT.pt
 
 Calibrates a tiny GPT-2 and a tiny Llama (capture statistics with output moments,
-gradient importance), scores perplexity windows, selects plans and fits refit
+gradient importance, whole and a block at a time), scores perplexity windows, selects plans and fits refit
 compensation (one-shot and sequential); rank 0 saves it all.
 """
 
@@ -62,7 +62,11 @@ def main() -> None:
             stats.update({f"layerwise/folds/{i}/joint": m.joint for i, m in enumerate(layered.folds)})
             stats["layerwise/sink_mass"] = layered.sink_mass
         out.setdefault("kept", {})[family] = distributed.all_objects(layered is not None)
-        out[family] = {"stats": stats, "gradient": inputs.gradient, "cross": inputs.cross,
+        from pruner.pruning.layerwise import gradient_layerwise
+
+        grad_layerwise = gradient_layerwise(model, batch, None, Resident(model, "cpu"), batch_size=2)
+        out[family] = {"stats": stats, "gradient": inputs.gradient, "gradient_layerwise": grad_layerwise,
+                       "cross": inputs.cross,
                        "nll": nll, "count": count, "plans": plans, "refit": comp}
     if distributed.is_main():
         torch.save({"world": distributed.world_size(), **out}, sys.argv[1])

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     metrics = len(dict.fromkeys(["cosine", *recipe.capture.metrics]))
     folds = recipe.surgery.folds if recipe.surgery.ridge == "auto" and recipe.surgery.compensation == "refit" else 0
     sizes = Sizes(batch_size=cal.batch_size, length=cal.length, chunk_size=recipe.capture.chunk_size,
-                  pair_metrics=metrics, outputs=True, folds=folds, moments=recipe.capture.moments)
+                  pair_metrics=metrics, outputs=True, folds=folds, moments=recipe.capture.moments,
+                  gradient=get_scorer(recipe.scorer.name).needs_gradient)
     samples = cal.num_samples or 64
     systems = get_scorer(recipe.scorer.name).needs_systems
     plans = [mp.memory_plan(model, sizes, samples, mode, m.device, systems) for mode in ("all", "sequential")]

@@ -70,11 +70,17 @@ class Resident:
         self.blocks[layer].to(self.home[layer])
 
 
+def call_block(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
+    """`block` run on `hidden` (B, T, d_model) with the rest of `call`, on `device`: its output hidden states,
+    on `device` (with gradients, where the caller has them on)."""
+    out = block(hidden.to(device), *_move(call.args, device), **_move(call.kwargs, device))
+    return out[0] if isinstance(out, tuple) else out
+
+
 @torch.no_grad()
 def through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
     """One block call: `hidden` (B, T, d_model) through `block` on `device`, back where `hidden` was."""
-    out = block(hidden.to(device), *_move(call.args, device), **_move(call.kwargs, device))
-    return (out[0] if isinstance(out, tuple) else out).to(hidden.device)
+    return call_block(block, hidden, call, device).to(hidden.device)
 
 
 @torch.no_grad()

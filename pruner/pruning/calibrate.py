@@ -92,6 +92,26 @@ def mlm_loss(model, masked_ids: torch.Tensor, labels: torch.Tensor, attention_ma
     return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.to(logits.device), ignore_index=-100)
 
 
+def mlm_masks(batch: TokenBatch, tokenizer, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each example's (masked input ids, labels), each (1, T), for the masked-LM gradient loss: one seeded
+    stream over the examples, drawn up front, so that an example gets the same masks whichever process
+    scores it and whether the model runs whole or a block at a time."""
+    g = torch.Generator().manual_seed(seed)
+    return [mask_tokens(batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], tokenizer, 0.15, g)
+            for i in range(len(batch))]
+
+
+def example_losses(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Each example's mean NLL over its targets (-100: none), in the logits' dtype: (B,) from logits (B, T, V)
+    and labels (B, T) -- `lm_loss` / `mlm_loss` of each example alone, for a batch at once. Causal: position
+    t predicts label t + 1."""
+    if causal:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    labels = labels.to(logits.device)
+    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    return tok.sum(-1) / (labels != -100).sum(-1).clamp_min(1).to(tok)
+
+
 def _lm_example_loss(model, batch: TokenBatch, i: int) -> torch.Tensor:
     return lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
 
@@ -170,9 +190,7 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
         if attends_causally(model):
             loss_fn = _lm_example_loss
         elif hasattr(model, "cls") or hasattr(model, "lm_head"):
-            g = torch.Generator().manual_seed(seed)  # one stream over the examples, drawn up front: the
-            masked = [mask_tokens(batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1], tokenizer, 0.15, g)
-                      for i in range(len(batch))]  # same masks whichever process scores an example
+            masked = mlm_masks(batch, tokenizer, seed)
             loss_fn = lambda m, b, i: mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])  # noqa: E731
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")

@@ -3,8 +3,9 @@ quantities every scorer reads, each layer's computed while its block is in memor
 
 The result is the `ScoringInputs` of `pruner.pruning.calibrate.calibrate` -- equal to it, since the sums
 are (`pruner.attention.sequential`) and W_O^T W_O and the weight norms are read off the same weights --
-so selection, scorers and compensation run unchanged. Measured passes that need the whole model at once
-(the gradient scorer's backward, single-head ablations) are refused in one line.
+so selection, scorers and compensation run unchanged. The gradient scorer's backward pass runs a block at
+a time too (`gradient_layerwise`); single-head ablations, which run the model once per head, are refused in
+one line.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 import torch
+from tqdm.auto import tqdm
 
 from pruner.attention.capture import CaptureConfig
 from pruner.attention.sequential import capture_layerwise
 from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
-from pruner.core.layerwise import Onloader
-from pruner.pruning.calibrate import PRICING_RIDGE, diagonal_blocks, layer_gram, weight_norm
+from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks
+from pruner.core.runtime import attends_causally, forward
+from pruner.pruning.calibrate import PRICING_RIDGE, diagonal_blocks, example_losses, layer_gram, mlm_masks, weight_norm
 from pruner.pruning.compensation import choose_layer_ridge, diagnostics, refit_layer
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 from pruner.pruning.surgery import Compensation, masked
@@ -31,10 +34,9 @@ def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, co
                         ablation=None) -> ScoringInputs | None:
     """`calibrate` with one block resident at a time; see the module docstring. With several processes only
     rank 0 keeps the sums and what is built from them (`capture_layerwise`): the others get None."""
-    if gradient or ablation:
-        what = "the gradient scorer's backward pass" if gradient else "single-head ablations"
-        raise ValueError(f"{what} needs the whole model at once: capture.onload: all, or a scorer that reads "
-                         "the capture (sink-aware, refit-energy, fluctuation, output-norm, bos-sink, ...)")
+    if ablation:
+        raise ValueError("single-head ablations need the whole model at once: capture.onload: all, or a scorer "
+                         "that reads the capture (sink-aware, refit-energy, fluctuation, output-norm, bos-sink, ...)")
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
     g = arch.geometry(model)
@@ -50,9 +52,14 @@ def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, co
 
     stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
                               on_layer=on_layer)
+    grad = None
+    if gradient:
+        grad = gradient_layerwise(model, batch, tokenizer, onloader, device=device, batch_size=batch_size,
+                                  seed=seed, progress=progress)
     if stats is None:
         return None
     return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, g), weight_norm=torch.stack(norms), seed=seed,
+                         gradient=grad,
                          cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=tuple(intercept),
                          ridge=PRICING_RIDGE if ridge == "auto" else ridge)
 
@@ -92,3 +99,107 @@ def refit_one_pass(model, heads: dict[int, list[int]], batch: TokenBatch, sinks:
 
     capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress, rerun=rerun)
     return comp
+
+
+def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, *, device="cpu", batch_size: int = 8,
+                       seed: int = 0, progress: bool = False) -> torch.Tensor:
+    """`pruner.pruning.calibrate.gradient_importance` with one block resident at a time: (layer, head), the
+    per-example |dL(x)/d xi_h| summed over examples and normalised per layer, as there.
+
+    Backpropagation a block at a time (activation checkpointing at block granularity): a forward pass
+    keeps every block's input on the host (layer x windows x T x d_model in the model's dtype); the model's
+    code after the blocks turns the last hidden states into each example's loss (causal LM: mean
+    next-token NLL; masked LM: the seeded masks of `mlm_masks`) and its gradient; then from the last block
+    down each block is onloaded, run again on its stored inputs with gradients on, and given the gradient
+    of its output: what comes back is the head masks' gradient and the gradient of its input, handed to
+    the block below. Each example of a batch has its own mask, so the absolute value is still taken per
+    example. Weights get no gradient. With several processes each takes its share of the windows and the
+    sums are added in rank order.
+    """
+    causal = attends_causally(model)
+    if not causal and not (hasattr(model, "cls") or hasattr(model, "lm_head")):
+        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    g = arch.geometry(model)
+    inputs, attn, labels = _loss_batches(batch, tokenizer, causal, seed, batch_size)
+    total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    frozen = [w for w in model.parameters() if w.requires_grad]  # outside the blocks: no weight gradient
+    for w in frozen:
+        w.requires_grad_(False)
+    bar = tqdm(total=2 * g.n_layers, desc="gradient (layer by layer)", unit="layer") if progress else None
+    try:
+        calls = first_block_calls(model, list(zip(inputs, attn)), device)
+        kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
+        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
+                   progress=bar)
+        grads = [_head_gradient(model, call.hidden, ids, mask, lab, causal, device)
+                 for call, ids, mask, lab in zip(calls, inputs, attn, labels)]
+        for layer in reversed(range(g.n_layers)):
+            block = onloader.onload(layer)
+            for i, call in enumerate(calls):
+                mask_grad, grads[i] = _block_backward(model, block, kept[layer][i], call, grads[i], device,
+                                                      layer > 0)
+                total[layer] += mask_grad
+                kept[layer][i] = None  # released as it is used
+            onloader.offload(layer)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        model.train(was_training)
+        for w in frozen:
+            w.requires_grad_(True)
+        if bar is not None:
+            bar.close()
+    total = distributed.sum_in_rank_order(total)
+    return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def _loss_batches(batch: TokenBatch, tokenizer, causal: bool, seed: int, batch_size: int
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """This process's share of the windows in batches: input ids, attention masks and labels (B, T) each --
+    causal: the ids, padding off-target; masked LM: `mlm_masks`' inputs and labels."""
+    mine = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long)
+    parts = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    attn = [batch.attention_mask[idx] for idx in parts]
+    if causal:
+        return ([batch.input_ids[idx] for idx in parts], attn,
+                [batch.input_ids[idx].masked_fill(batch.attention_mask[idx] == 0, -100) for idx in parts])
+    masks = mlm_masks(batch, tokenizer, seed)
+    return ([torch.cat([masks[i][0] for i in idx.tolist()]) for idx in parts], attn,
+            [torch.cat([masks[i][1] for i in idx.tolist()]) for idx in parts])
+
+
+def _head_gradient(model, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                   causal: bool, device) -> torch.Tensor:
+    """d(sum of the examples' losses) / d(last hidden states) (B, T, d_model), through the model's own code
+    after the blocks (final norm, LM head); on the host, where `hidden` was."""
+    h = hidden.to(device).detach().requires_grad_(True)
+    with replayed(model) as replay, torch.enable_grad():
+        replay.hidden = h
+        logits = forward(model, ids.to(device), mask.to(device)).logits  # (B, T, V)
+        example_losses(logits, labels, causal).sum().backward()
+    return h.grad.to(hidden.device)
+
+
+def _block_backward(model, block, x: torch.Tensor, call: BlockCall, grad_out: torch.Tensor, device,
+                    need_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block call again with gradients: the heads' |d loss / d xi| summed over the batch's examples
+    (head,) float64, and the gradient of the block's input (B, T, d_model; None when not `need_input`)."""
+    g, ad = arch.geometry(model), arch.adapter_for(model)
+    xi = torch.ones(x.shape[0], g.n_heads, requires_grad=True)  # (B, head): one mask per example
+    hook = arch.get(block, ad.o_proj).register_forward_pre_hook(
+        lambda m, args: (args[0] * xi.repeat_interleave(g.head_dim, -1).to(args[0])[:, None], *args[1:]))
+    weights = [w for w in block.parameters() if w.requires_grad]
+    for w in weights:
+        w.requires_grad_(False)
+    h = x.to(device).detach().requires_grad_(need_input)
+    try:
+        with torch.enable_grad():
+            out = call_block(block, h, call, device)
+            out.backward(grad_out.to(out))
+    finally:
+        hook.remove()
+        for w in weights:
+            w.requires_grad_(True)
+    return xi.grad.abs().double().sum(0), h.grad.to(x.device) if need_input else None

@@ -12,6 +12,9 @@
   copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
   replaced), the finished layers' sums and their W_O^T W_O.
 
+With the gradient scorer the sequential host also keeps every block's input for every window while the
+backward pass runs a block at a time (`pruner.pruning.layerwise.gradient_layerwise`).
+
 The refit-aware scorer (`refit-energy`, the decoder default) then keeps every layer's float64 refit
 precision while it selects: as much again as the joint second moments (`--set scorer.name=sink-aware`
 does without).
@@ -30,12 +33,14 @@ import torch
 from pruner.core import arch
 from pruner.core.tables import markdown_table
 from pruner.runs.resources import (
+    BACKWARD_PER_LAYER,
     Estimate,
     Sizes,
     available_memory,
     calibration_estimate,
     finished_bytes,
     gib,
+    model_shape,
     statistics_bytes,
 )
 
@@ -63,9 +68,9 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     and with `systems` (the refit-aware scorer) the selection after it: every layer's float64 refit precision
     (S + lam I)^-1 beside the sums, and one layer's second moment and Cholesky factor while it is built."""
     cpu = torch.device(device).type == "cpu"
-    est = calibration_estimate(model, replace(sizes, gradient=False))
+    est = calibration_estimate(model, sizes if onload == "all" else replace(sizes, gradient=False))
     parts, g = est.parts, arch.geometry(model)
-    work = parts.get("activations", 0) + parts.get("capture", 0)
+    work = parts.get("activations", 0) + parts.get("capture", 0) + parts.get("gradient pass", 0)  # the larger
     sums = finished_bytes(model, sizes)  # the finished sums (the estimate counts them twice, float64)
     layer = statistics_bytes(model, sizes) // 2 // g.n_layers  # one layer's sums while they accumulate (float64)
     grams = g.n_layers * (g.n_heads * g.head_dim) ** 2 * 4  # W_O^T W_O per layer, float32
@@ -96,7 +101,26 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
         dev = Estimate({"weights outside the blocks": outside, "one block": one, **layer_sums, "one batch": work})
     host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
                      "W_O^T W_O of every layer": grams, **scoring})
+    if sizes.gradient:  # after the capture: every block's inputs kept for the backward, one batch through a block
+        dev, host = _with_gradient(model, sizes, samples, dev, host)
     return MemoryPlan(onload, dev, host, cpu)
+
+
+def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estimate) -> tuple[Estimate, Estimate]:
+    """The layer-by-layer gradient pass (`pruner.pruning.layerwise.gradient_layerwise`) added to a sequential
+    plan: on the host every block's input for every window (layer x windows x T x d_model, the model's dtype)
+    and the gradients being handed down (windows x T x d_model); on the device the larger of the capture's
+    batch and one batch backpropagated through one block (its activations, attention weights and MLP) or
+    through the LM head (the logits, float32)."""
+    s = model_shape(model)
+    a = next(model.parameters()).element_size()
+    B, T = sizes.batch_size, sizes.length
+    inputs = (s["L"] + 1) * samples * T * s["d"] * a
+    backward = max(B * (BACKWARD_PER_LAYER * T * s["d"] * a + s["H"] * T * T * 4 + 3 * T * s["ffn"] * a),
+                   3 * B * T * s["V"] * 4)
+    dev_parts = dict(dev.parts)
+    dev_parts["one batch"] = max(dev_parts["one batch"], backward)
+    return Estimate(dev_parts), Estimate({**host.parts, "every block's inputs (gradient pass)": inputs})
 
 
 def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False) -> MemoryPlan:

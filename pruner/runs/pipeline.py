@@ -56,7 +56,7 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True, abla
             memory_plan.check_sequential(session.model, resources.Sizes(
                 batch_size=min(r.calibration.batch_size, len(session.calibration)),
                 length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
-                pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments),
+                pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments, gradient=gradient),
                 len(session.calibration), session.onloader.device, systems)
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
                                    session.onloader, device=session.onloader.device,

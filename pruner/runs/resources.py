@@ -83,7 +83,7 @@ class Estimate:
         return " + ".join(f"{k} {gib(v)}" for k, v in self.parts.items() if v) + f" = {gib(self.total)}"
 
 
-def _shape(model) -> dict[str, int]:
+def model_shape(model) -> dict[str, int]:
     from pruner.core import arch
 
     g, c = arch.geometry(model), model.config
@@ -99,7 +99,7 @@ def model_bytes(model) -> int:
 
 def statistics_bytes(model, sizes: Sizes) -> int:
     """The float64 sums a capture keeps: per layer pair matrices and output moments, twice (total + chunk)."""
-    s = _shape(model)
+    s = model_shape(model)
     L, H, D = s["L"], s["H"], s["D"]
     if sizes.across_layers:
         L, H = 1, s["L"] * s["H"]
@@ -114,7 +114,7 @@ def finished_bytes(model, sizes: Sizes) -> int:
     (and the folds') in `sizes.moments`."""
     total = statistics_bytes(model, sizes) // 2
     if sizes.outputs and sizes.moments == "float32":
-        s = _shape(model)
+        s = model_shape(model)
         total -= s["L"] * (1 + sizes.folds) * (s["H"] * s["D"]) ** 2 * 4
     return total
 
@@ -123,7 +123,7 @@ def calibration_estimate(model, sizes: Sizes) -> Estimate:
     """Peak memory of one calibration pass over batches of `sizes` (see the module docstring)."""
     from pruner.core.runtime import input_device
 
-    s = _shape(model)
+    s = model_shape(model)
     L, H, KV, D, d, ffn, V = (s[k] for k in ("L", "H", "KV", "D", "d", "ffn", "V"))
     a = next(model.parameters()).element_size()  # activation bytes follow the weights' dtype
     B, T, c = sizes.batch_size, sizes.length, min(sizes.chunk_size, sizes.length)
