@@ -376,3 +376,68 @@ def test_a_layer_by_layer_calibration_that_cannot_fit_names_the_setting_that_doe
                        r"memory needs about .* more and has .* free; set capture.moments: float32"):
         memory_plan.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
     assert memory_plan.check_sequential(lazy.model, replace(sizes, moments="float32"), 64, "cpu", True) is not None
+
+
+def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path):
+    """capture.hidden: disk: every window's hidden states in memory-mapped files between blocks -- the capture, the
+    one-pass sequential refit, the gradient pass and perplexity compute exactly what they compute in memory, the
+    files exist while a pass runs and are gone after it."""
+    from pruner.checkpoints import loading
+    from pruner.evaluation.perplexity import sliding_windows, window_scores
+    from pruner.pruning.layerwise import gradient_layerwise, refit_one_pass
+
+    name = "llama-shakespeare"
+    tok = loading.load_tokenizer(name)
+    batch = token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 32, num_samples=10)
+    windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 32, max_windows=5)
+    cfg = CaptureConfig(metrics=("cosine",), outputs=True)
+    runs, seen = {}, []
+    for spill in (None, tmp_path / "spill"):
+        lazy = lazy_model(assets.resolve(name))
+        lazy.spill = spill
+        on_layer = lambda layer: seen.append(sorted(p.name for p in (spill or tmp_path).rglob("*.bin")))  # noqa: E731
+        stats = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4, on_layer=on_layer)
+        comp = refit_one_pass(lazy.model, {0: [1], 1: [0, 2]}, batch, SinkSpec("first"), tok, lazy, ridge=0.1,
+                              batch_size=4)
+        grad = gradient_layerwise(lazy.model, batch, tok, lazy, batch_size=4)
+        nll = window_scores(lazy.model, windows, 4, onloader=lazy)[0]
+        runs[spill is None] = (stats, comp, grad, nll)
+    (a, ca, ga, na), (b, cb, gb, nb) = runs[True], runs[False]
+    assert worst_relative(a, b) == 0.0
+    assert ca.weight.keys() == cb.weight.keys() and all(torch.equal(ca.weight[k], cb.weight[k]) for k in ca.weight)
+    assert torch.equal(ga, gb) and torch.equal(na, nb)
+    assert seen[0] == [] and seen[-1] == ["0.bin", "1.bin"]  # in memory: no file; spilled: inputs and outputs
+    assert (tmp_path / "spill").is_dir() and not any((tmp_path / "spill").iterdir())  # every pass removed its own
+
+
+def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_path, monkeypatch):
+    """`capture.hidden: disk` writes the run of `memory`; with `auto` the memory check sends them to files only
+    where memory cannot hold them and files make it fit (said in a warning), and names the setting otherwise."""
+    from pruner.runs import memory_plan, resources
+
+    quick = QUICK + ["--set", "capture.onload=sequential", "--set", "surgery.ridge=0.1"]
+    recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
+    assert main(["prune", recipe, "--out", str(tmp_path / "memory"), "--set", "capture.hidden=memory"] + quick) == 0
+    assert main(["prune", recipe, "--out", str(tmp_path / "disk"), "--set", "capture.hidden=disk",
+                 "--set", f"capture.spill_dir={tmp_path / 'files'}"] + quick) == 0
+    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+    assert read("memory", "plan.json") == read("disk", "plan.json")
+    assert read("memory", "metrics.json")["evaluation"] == read("disk", "metrics.json")["evaluation"]
+    assert not any((tmp_path / "files").iterdir())
+
+    lazy = lazy_model(assets.resolve("llama-shakespeare"))
+    sizes = resources.Sizes(batch_size=4, length=128, outputs=True)
+    kept, spilled = (memory_plan.memory_plan(lazy.model, sizes, 4096, "sequential", "cpu", spill=s) for s in (0, 1))
+    outside = next(v for k, v in kept.device.parts.items() if k.startswith("weights outside the blocks"))
+    d_model = lazy.model.config.hidden_size
+    assert kept.total - spilled.total == 4096 * 128 * d_model * 4  # every window's hidden states, float32
+    monkeypatch.setattr(memory_plan, "available_memory", lambda device: (kept.total + spilled.total) // 2 - outside)
+    assert memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
+    with pytest.raises(resources.ResourceError, match=r"set capture.hidden: disk \(every window's hidden states"):
+        memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
+
+
+def test_hidden_states_on_disk_need_a_layer_by_layer_pass(tmp_path, capsys):
+    assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(tmp_path / "x"),
+                 "--set", "capture.onload=all", "--set", "capture.hidden=disk"]) == 2
+    assert "capture.hidden: disk keeps a layer-by-layer pass's hidden states" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.attention.sums import HeadStats, LayerStats
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
-from pruner.core.layerwise import Onloader, first_block_calls, run_blocks
+from pruner.core.layerwise import Onloader, first_block_calls, run_blocks, spilled
 
 
 def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
@@ -75,8 +75,9 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
         def again(layer: int) -> AbstractContextManager | None:
             return rerun(layer, distributed.reduce_tree(cap.layers.pop(layer)))
 
-        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer, bar,
-                   None if rerun is None else again)
+        with spilled(onloader) as spill:
+            run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer,
+                       bar, None if rerun is None else again, spill=spill)
         for view in views:
             cap.add_residual(view)
     if bar is not None:

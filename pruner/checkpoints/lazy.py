@@ -34,6 +34,7 @@ class LazyBlocks:
         self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
         self.config, self.cls = config, cls
         self.zero_missing_bias = False  # set by a writer that gave every block a bias the checkpoint lacks
+        self.spill: Path | None = None  # a folder: passes keep their hidden states there (`layerwise.Spill`)
         self.where = check_shards(self.folder)
         self.model = self.skeleton(config)
         names = {id(m): n for n, m in self.model.named_modules()}

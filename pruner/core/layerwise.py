@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
@@ -52,6 +53,8 @@ class BlockCall:
 
 
 class Onloader(Protocol):
+    spill: str | Path | None  # a folder: keep the calls' hidden states there (`Spill`), not in memory
+
     def onload(self, layer: int) -> torch.nn.Module: ...
     def offload(self, layer: int) -> None: ...
 
@@ -59,8 +62,8 @@ class Onloader(Protocol):
 class Resident:
     """Blocks that stay in memory (on the CPU, say): moved to `device` to run, and back."""
 
-    def __init__(self, model, device: str | torch.device):
-        self.blocks, self.device = arch.blocks(model), torch.device(device)
+    def __init__(self, model, device: str | torch.device, spill: str | Path | None = None):
+        self.blocks, self.device, self.spill = arch.blocks(model), torch.device(device), spill
         self.home = [next(b.parameters()).device for b in self.blocks]
 
     def onload(self, layer: int) -> torch.nn.Module:
@@ -81,6 +84,71 @@ def call_block(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Te
 def through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
     """One block call: `hidden` (B, T, d_model) through `block` on `device`, back where `hidden` was."""
     return call_block(block, hidden, call, device).to(hidden.device)
+
+
+class Spill:
+    """The calls' hidden states in memory-mapped files under `folder` instead of in memory (`capture.hidden:
+    disk`): what a layer-by-layer pass keeps between blocks -- every window's hidden states -- is the part
+    that grows with the calibration set, and a file-backed page is one the kernel can write back and drop
+    under pressure, where an anonymous one would have to fit. One file per slot, each holding every call's
+    (B, T, d_model) in order: block `layer`'s outputs go to slot layer + 1 (`keep_every_layer`: every block's
+    inputs stay, as the gradient pass needs) or alternate between two slots (inputs and outputs). Negative
+    slots are the caller's (the gradient pass hands its gradients down in one, each call's overwritten once used). Values are exact copies:
+    a pass with a spill computes what it computes without one. The folder is removed on exit."""
+
+    def __init__(self, folder: str | Path, keep_every_layer: bool = False):
+        import tempfile
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="pruner-hidden-", dir=folder))
+        self.keep = keep_every_layer
+        self.files: dict[int, torch.Tensor] = {}  # slot -> flat file-backed tensor
+        self.layout: list[tuple[int, torch.Size]] = []  # each call's offset and shape
+        self.size, self.dtype = 0, None
+
+    def __enter__(self) -> "Spill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import shutil
+
+        self.files.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def slot(self, layer: int) -> int:
+        """Where block `layer`'s outputs go."""
+        return layer + 1 if self.keep else (layer + 1) % 2
+
+    def hold(self, calls: list[BlockCall]) -> None:
+        """Block 0's inputs moved into slot 0 (the layout fixed by their shapes)."""
+        self.layout, self.size = [], 0
+        for call in calls:
+            self.layout.append((self.size, call.hidden.shape))
+            self.size += call.hidden.numel()
+        self.dtype = calls[0].hidden.dtype if calls else torch.float32
+        for i, call in enumerate(calls):
+            call.hidden = self.put(0, i, call.hidden)
+
+    def put(self, slot: int, i: int, x: torch.Tensor) -> torch.Tensor:
+        """`x` (call i's shape) written to `slot`; returns the file-backed view of it."""
+        if slot not in self.files:
+            self.files[slot] = torch.from_file(str(self.root / f"{slot}.bin"), shared=True, size=max(self.size, 1),
+                                               dtype=self.dtype)
+        offset, shape = self.layout[i]
+        view = self.files[slot][offset:offset + shape.numel()].view(shape)
+        view.copy_(x)
+        return view
+
+
+@contextmanager
+def spilled(onloader: Onloader | None, keep_every_layer: bool = False) -> Iterator[Spill | None]:
+    """A `Spill` under `onloader.spill` for one pass, or None where the hidden states stay in memory."""
+    folder = getattr(onloader, "spill", None)
+    if folder is None:
+        yield None
+        return
+    with Spill(folder, keep_every_layer) as spill:
+        yield spill
 
 
 @torch.no_grad()
@@ -124,7 +192,8 @@ def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device
                before_call: Callable[[int, int], None] | None = None,
                after_layer: Callable[[int], None] | None = None, progress=None,
                rerun: Callable[[int], AbstractContextManager | None] | None = None,
-               within: Callable[[int], AbstractContextManager] | None = None) -> list[BlockCall]:
+               within: Callable[[int], AbstractContextManager] | None = None,
+               spill: Spill | None = None) -> list[BlockCall]:
     """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
 
     `before_call(layer, i)` runs before call i of a layer (a capture sets which batch the attention sees);
@@ -132,8 +201,11 @@ def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device
     a context (a scoped mask, say) to run the layer's calls again in, from the same inputs, so that the
     next block sees the changed block's outputs -- or None to keep the first outputs. `within(layer)`: a
     context the layer's calls run in (a scoped mask of its pruned heads: the pruned model, a block at a
-    time). Returns the calls with the last block's output as their hidden states.
+    time). With `spill` the hidden states live in its files (block 0's inputs moved there first). Returns the
+    calls with the last block's output as their hidden states.
     """
+    if spill is not None:
+        spill.hold(calls)
     for layer in range(n_layers):
         block = onloader.onload(layer)
         inputs = [call.hidden for call in calls] if rerun is not None else None  # kept for a rerun
@@ -141,19 +213,24 @@ def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device
             for i, call in enumerate(calls):
                 if before_call is not None:
                     before_call(layer, i)
-                call.hidden = through(block, call.hidden, call, device)
+                call.hidden = _kept(spill, layer, i, through(block, call.hidden, call, device))
         if after_layer is not None:
             after_layer(layer)
         scope = rerun(layer) if rerun is not None else None
         if scope is not None:
             with scope:
-                for call, x in zip(calls, inputs):
-                    call.hidden = through(block, x, call, device)
+                for i, (call, x) in enumerate(zip(calls, inputs)):
+                    call.hidden = _kept(spill, layer, i, through(block, x, call, device))
         del inputs
         onloader.offload(layer)
         if progress is not None:
             progress.update(1)
     return calls
+
+
+def _kept(spill: Spill | None, layer: int, i: int, out: torch.Tensor) -> torch.Tensor:
+    """Block `layer`'s output for call i, where the pass keeps it: in memory, or in the spill's slot."""
+    return out if spill is None else spill.put(spill.slot(layer), i, out)
 
 
 class _Replay(torch.nn.Module):

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from pruner.core import arch, distributed
 from pruner.core.bootstrap import percentile_interval, resamples
 from pruner.core.data import DataError, bos_token_id, line_samples, mask_tokens
-from pruner.core.layerwise import Onloader, first_block_calls, replayed, run_blocks
+from pruner.core.layerwise import Onloader, first_block_calls, replayed, run_blocks, spilled
 from pruner.core.runtime import forward
 
 
@@ -126,15 +126,16 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
                                   device)
         n_layers = len(arch.blocks(model))
         bar = tqdm(total=n_layers, desc="perplexity (layer by layer)", unit="layer") if progress else None
-        run_blocks(onloader, calls, n_layers, device, progress=bar, within=within)
-        if bar is not None:
-            bar.close()
-        with replayed(model) as replay:
-            for idx, call in zip(parts, calls):
-                replay.hidden = call.hidden
-                out = forward(model, windows.input_ids[idx].to(device), windows.attention_mask[idx].to(device),
-                              output_hidden_states=pool)
-                _score(out, windows, idx, causal, pool, nll, count, emb)
+        with spilled(onloader) as spill:  # the blocks first, then (replayed) the model's code after them
+            run_blocks(onloader, calls, n_layers, device, progress=bar, within=within, spill=spill)
+            if bar is not None:
+                bar.close()
+            with replayed(model) as replay:
+                for idx, call in zip(parts, calls):
+                    replay.hidden = call.hidden
+                    out = forward(model, windows.input_ids[idx].to(device), windows.attention_mask[idx].to(device),
+                                  output_hidden_states=pool)
+                    _score(out, windows, idx, causal, pool, nll, count, emb)
     cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
     n = len(windows)
     return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),

@@ -20,7 +20,7 @@ from pruner.attention.sequential import capture_layerwise
 from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
-from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks
+from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks, spilled
 from pruner.core.runtime import attends_causally, forward
 from pruner.pruning.calibrate import PRICING_RIDGE, diagonal_blocks, example_losses, layer_gram, mlm_masks, weight_norm
 from pruner.pruning.compensation import choose_layer_ridge, diagnostics, refit_layer
@@ -129,22 +129,24 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
         w.requires_grad_(False)
     bar = tqdm(total=2 * g.n_layers, desc="gradient (layer by layer)", unit="layer") if progress else None
     try:
-        calls = first_block_calls(model, list(zip(inputs, attn)), device)
-        kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
-        run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
-                   progress=bar)
-        grads = [_head_gradient(model, call.hidden, ids, mask, lab, causal, device)
-                 for call, ids, mask, lab in zip(calls, inputs, attn, labels)]
-        for layer in reversed(range(g.n_layers)):
-            block = onloader.onload(layer)
-            for i, call in enumerate(calls):
-                mask_grad, grads[i] = _block_backward(model, block, kept[layer][i], call, grads[i], device,
-                                                      layer > 0)
-                total[layer] += mask_grad
-                kept[layer][i] = None  # released as it is used
-            onloader.offload(layer)
-            if bar is not None:
-                bar.update(1)
+        with spilled(onloader, keep_every_layer=True) as spill:
+            calls = first_block_calls(model, list(zip(inputs, attn)), device)
+            kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
+            run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
+                       progress=bar, spill=spill)
+            keep = lambda slot, i, x: x if spill is None or x is None else spill.put(slot, i, x)  # noqa: E731
+            grads = [keep(-1, i, _head_gradient(model, call.hidden, ids, mask, lab, causal, device))
+                     for i, (call, ids, mask, lab) in enumerate(zip(calls, inputs, attn, labels))]
+            for layer in reversed(range(g.n_layers)):
+                block = onloader.onload(layer)
+                for i, call in enumerate(calls):
+                    mask_grad, grad = _block_backward(model, block, kept[layer][i], call, grads[i], device, layer > 0)
+                    total[layer] += mask_grad
+                    grads[i] = keep(-1, i, grad)  # in place of the gradient just used (call i's alone)
+                    kept[layer][i] = None  # released as it is used
+                onloader.offload(layer)
+                if bar is not None:
+                    bar.update(1)
     finally:
         model.train(was_training)
         for w in frozen:

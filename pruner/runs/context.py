@@ -4,6 +4,7 @@ holds in memory."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pruner.checkpoints.lazy import lazy_model
 from pruner.core import arch, assets, data, distributed, resume, runtime
 from pruner.evaluation import downstream, tasks
 from pruner.evaluation.perplexity import EvalWindows, masked_lines, sliding_windows
-from pruner.runs import resources
+from pruner.runs import memory_plan, resources
 from pruner.runs.recipe import Recipe
 
 
@@ -161,3 +162,41 @@ def _check_whole_model_fits(m, folder: Path) -> None:
             f"{resources.gib(free)} is free on {device}: without tasks, prune and compare run layer by layer "
             "(perplexity, compensation and the written model/ one block at a time); or use a machine with more "
             "memory")
+
+
+def check_layerwise(session: Session, sizes: resources.Sizes, systems: bool) -> None:
+    """Before a layer-by-layer calibration: its memory check (`pruner.runs.memory_plan.check_sequential`,
+    unless capture.memory_check is off) and where its hidden states go (capture.hidden)."""
+    cap = session.recipe.capture
+    if cap.memory_check:
+        plan = memory_plan.check_sequential(session.model, sizes, len(session.calibration), session.onloader.device,
+                                            systems, cap.hidden)
+        if plan.spill:
+            spill_hidden(session, sizes.gradient, cap.hidden == "auto")
+    elif cap.hidden == "disk":
+        spill_hidden(session, sizes.gradient)
+
+
+def spill_hidden(session: Session, gradient: bool, chosen: bool = False) -> None:
+    """Every layer-by-layer pass from here on keeps its hidden states in files (capture.hidden: disk, or auto
+    where memory cannot hold them) under capture.spill_dir (default: the system's temporary folder), refused
+    in one line when that folder's disk has no room for them; said in a warning when auto chose it."""
+    import tempfile
+
+    r = session.recipe
+    folder = Path(r.capture.spill_dir) if r.capture.spill_dir is not None else Path(tempfile.gettempdir())
+    ids = session.calibration.input_ids
+    d_model = arch.o_weight_cols(session.model, 0).shape[0]
+    act = next(session.model.parameters()).element_size()
+    slots = arch.geometry(session.model).n_layers + 2 if gradient else 2  # every block's inputs + gradients
+    need = slots * ids.numel() * d_model * act
+    folder.mkdir(parents=True, exist_ok=True)
+    if need > resources.free_disk(folder):
+        raise resources.ResourceError(
+            f"not enough disk space in {folder} for capture.hidden: disk: the hidden states need about "
+            f"{resources.gib(need)} and {resources.gib(resources.free_disk(folder))} is free; set capture.spill_dir "
+            "to a folder with room")
+    if chosen:
+        warnings.warn(f"the calibration's hidden states do not fit in memory: they go to files in {folder} "
+                      f"(capture.hidden: auto; about {resources.gib(need)}, removed after each pass)", stacklevel=2)
+    session.onloader.spill = folder

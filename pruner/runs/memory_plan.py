@@ -51,6 +51,7 @@ class MemoryPlan:
     device: Estimate
     host: Estimate
     cpu: bool  # device and host are one memory
+    spill: bool = False  # the hidden states in files (capture.hidden: disk)
 
     @property
     def total(self) -> int:
@@ -63,7 +64,7 @@ def block_bytes(model) -> int:
 
 
 def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu",
-                systems: bool = False) -> MemoryPlan:
+                systems: bool = False, spill: bool = False) -> MemoryPlan:
     """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above),
     and with `systems` (the refit-aware scorer) the selection after it: every layer's float64 refit precision
     (S + lam I)^-1 beside the sums, and one layer's second moment and Cholesky factor while it is built."""
@@ -85,7 +86,9 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     one = block_bytes(model)
     d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
-    hidden = (samples + sizes.batch_size) * sizes.length * d_model * act
+    batch_hidden = sizes.batch_size * sizes.length * d_model * act
+    hidden = {"hidden states: one batch (every window's in files: capture.hidden disk)": batch_hidden} if spill \
+        else {"hidden states of every window": samples * sizes.length * d_model * act + batch_hidden}
     # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
     layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
     outside = parts["model"] - g.n_layers * one
@@ -99,38 +102,44 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
                         emb.shape[1] * act, "one block": one, **layer_sums, "one batch": work})
     else:
         dev = Estimate({"weights outside the blocks": outside, "one block": one, **layer_sums, "one batch": work})
-    host = Estimate({"hidden states of every window": hidden, "finished sums": sums,
-                     "W_O^T W_O of every layer": grams, **scoring})
+    host = Estimate({**hidden, "finished sums": sums, "W_O^T W_O of every layer": grams, **scoring})
     if sizes.gradient:  # after the capture: every block's inputs kept for the backward, one batch through a block
-        dev, host = _with_gradient(model, sizes, samples, dev, host)
-    return MemoryPlan(onload, dev, host, cpu)
+        dev, host = _with_gradient(model, sizes, samples, dev, host, spill)
+    return MemoryPlan(onload, dev, host, cpu, spill)
 
 
-def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estimate) -> tuple[Estimate, Estimate]:
+def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estimate,
+                   spill: bool = False) -> tuple[Estimate, Estimate]:
     """The layer-by-layer gradient pass (`pruner.pruning.layerwise.gradient_layerwise`) added to a sequential
     plan: on the host every block's input for every window (layer x windows x T x d_model, the model's dtype)
     and the gradients being handed down (windows x T x d_model); on the device the larger of the capture's
     batch and one batch backpropagated through one block (its activations, attention weights and MLP) or
-    through the LM head (the logits, float32)."""
+    through the LM head (the logits, float32). With `spill` the inputs and gradients are in files."""
     s = model_shape(model)
     a = next(model.parameters()).element_size()
     B, T = sizes.batch_size, sizes.length
     inputs = (s["L"] + 1) * samples * T * s["d"] * a
+    name = "every block's inputs (gradient pass)"
+    if spill:  # in files: the batch being written
+        inputs, name = B * T * s["d"] * a, "every block's inputs (gradient pass): one batch (the rest in files)"
     backward = max(B * (BACKWARD_PER_LAYER * T * s["d"] * a + s["H"] * T * T * 4 + 3 * T * s["ffn"] * a),
                    3 * B * T * s["V"] * 4)
     dev_parts = dict(dev.parts)
     dev_parts["one batch"] = max(dev_parts["one batch"], backward)
-    return Estimate(dev_parts), Estimate({**host.parts, "every block's inputs (gradient pass)": inputs})
+    return Estimate(dev_parts), Estimate({**host.parts, name: inputs})
 
 
-def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False) -> MemoryPlan:
+def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False,
+                     hidden: str = "memory") -> MemoryPlan:
     """Refuse, before any compute, a layer-by-layer calibration whose peak exceeds what is free -- on the
     device and on the host (one memory on a CPU) -- naming the settings that would fit. The weights outside
-    the blocks are already loaded. Returns the plan."""
+    the blocks are already loaded. `hidden` (capture.hidden): "disk" plans the hidden states in files; "auto"
+    plans them in memory where that fits and in files where only that does. Returns the plan (`spill`:
+    whether its hidden states go to files)."""
     from pruner.runs.resources import ResourceError
 
-    def short(z: Sizes, n: int, sys: bool) -> list[str]:  # where it does not fit: "host needs X, Y free"
-        plan = memory_plan(model, z, n, "sequential", device, sys)
+    def short(z: Sizes, n: int, sys: bool, spill: bool) -> list[str]:  # where it does not fit: "host needs X, Y free"
+        plan = memory_plan(model, z, n, "sequential", device, sys, spill)
         outside = next(v for k, v in plan.device.parts.items() if k.startswith("weights outside the blocks"))
         checks = [("memory", plan.total - outside, available_memory("cpu"))] if plan.cpu else \
             [(str(device), plan.device.total - outside, available_memory(device)),
@@ -138,27 +147,30 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
         return [f"{where} needs about {gib(need)} more and has {gib(free)} free" for where, need, free in checks
                 if free is not None and need > free]
 
-    missing = short(sizes, samples, systems)
+    spill = hidden == "disk"
+    missing = short(sizes, samples, systems, spill)
+    if missing and hidden == "auto" and not short(sizes, samples, systems, True):
+        missing, spill = [], True  # the hidden states to files: that alone makes it fit
     if not missing:
-        return memory_plan(model, sizes, samples, "sequential", device, systems)
-    options = []
+        return memory_plan(model, sizes, samples, "sequential", device, systems, spill)
+    options = [] if spill else [("capture.hidden: disk (every window's hidden states in files under "
+                                 "capture.spill_dir)", sizes, samples, systems, True)]
     if sizes.moments == "float64":
         options.append(("capture.moments: float32 (the joint moments stored in half)", replace(sizes, moments="float32"),
-                        samples, systems))
+                        samples, systems, spill))
     if sizes.folds:
         options.append(("surgery.ridge: a number such as 0.1 instead of auto (no fold moments)",
-                        replace(sizes, folds=0), samples, systems))
+                        replace(sizes, folds=0), samples, systems, spill))
     if systems:
-        options.append(("scorer.name: sink-aware (no refit system per layer)", sizes, samples, False))
+        options.append(("scorer.name: sink-aware (no refit system per layer)", sizes, samples, False, spill))
     n = samples // 2
-    while n >= 1 and short(sizes, n, systems):
+    while n >= 1 and short(sizes, n, systems, spill):
         n //= 2
     if n >= 1:
-        options.append((f"calibration.num_samples: {n} (fewer hidden states kept)", sizes, n, systems))
-    fits = [name for name, z, k, sys in options if not short(z, k, sys)]
+        options.append((f"calibration.num_samples: {n} (fewer hidden states kept)", sizes, n, systems, spill))
+    fits = [name for name, *option in options if not short(*option)]
     if not fits and options:  # none alone: all of them together?
-        z = replace(sizes, moments="float32", folds=0)
-        if not short(z, max(n, 1), False):
+        if not short(replace(sizes, moments="float32", folds=0), max(n, 1), False, True):
             fits = [" and ".join(name for name, *_ in options)]
     raise ResourceError(f"not enough memory for the layer-by-layer calibration: the {'; the '.join(missing)}; "
                         + ("set " + ", or ".join(fits) if fits else "no setting here fits this machine: use one "

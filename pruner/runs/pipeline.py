@@ -36,8 +36,8 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import memory_plan, resources
-from pruner.runs.context import Session, resident
+from pruner.runs import resources
+from pruner.runs.context import Session, check_layerwise, resident
 from pruner.runs.recipe import Recipe, SurgerySpec
 
 
@@ -52,12 +52,11 @@ def scoring_inputs(session: Session, gradient: bool, progress: bool = True, abla
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds,
                         moments=r.capture.moments)
     if session.onloader is not None:  # one block resident at a time
-        if r.capture.memory_check:  # systems: the refit-aware scorer's, kept while it selects
-            memory_plan.check_sequential(session.model, resources.Sizes(
-                batch_size=min(r.calibration.batch_size, len(session.calibration)),
-                length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
-                pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments, gradient=gradient),
-                len(session.calibration), session.onloader.device, systems)
+        check_layerwise(session, resources.Sizes(  # systems: the refit-aware scorer's, kept while it selects
+            batch_size=min(r.calibration.batch_size, len(session.calibration)),
+            length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
+            pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments, gradient=gradient),
+            systems)
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
                                    session.onloader, device=session.onloader.device,
                                    batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,

@@ -220,6 +220,20 @@ class CaptureSpec(_Strict):
         "auto", description="all: the whole model resident during calibration; sequential: one block at a time, "
                             "read from the checkpoint's safetensors (models larger than memory); auto: sequential "
                             "when the model does not fit the device's free memory")
+    hidden: Literal["auto", "memory", "disk"] = Field(
+        "auto", description="layer by layer: where every window's hidden states stay between blocks (the part of "
+                            "its memory that grows with the calibration set); disk: memory-mapped files under "
+                            "spill_dir, removed after each pass (the same numbers); auto: disk only where the memory "
+                            "check finds that memory cannot hold them and files make it fit")
+    spill_dir: str | None = Field(None, description="the folder for capture.hidden's files (default: the system's "
+                                                    "temporary folder)")
+
+    @model_validator(mode="after")
+    def _hidden_is_layer_by_layer(self):
+        if self.hidden == "disk" and self.onload == "all":
+            raise ValueError("capture.hidden: disk keeps a layer-by-layer pass's hidden states; with capture.onload: "
+                             "all there are none between blocks (set onload: sequential or auto)")
+        return self
 
 
 class CheckpointSpec(_Strict):
