@@ -373,7 +373,7 @@ def test_a_layer_by_layer_calibration_that_cannot_fit_names_the_setting_that_doe
     free = (big.total + small.total) // 2 - outside  # room for the float32 moments only
     monkeypatch.setattr(memory_plan, "available_memory", lambda device: free)
     with pytest.raises(resources.ResourceError, match=r"not enough memory for the layer-by-layer calibration: the "
-                       r"memory needs about .* more and has .* free; set capture.moments: float32"):
+                       r"memory needs about .* more and has .* free; set capture.hidden: disk .*, or capture.moments: float32"):
         memory_plan.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
     assert memory_plan.check_sequential(lazy.model, replace(sizes, moments="float32"), 64, "cpu", True) is not None
 
