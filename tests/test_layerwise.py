@@ -328,7 +328,9 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     hidden = 64 * 128 * 8192 * 2 / 2**30  # the default evaluation: 64 windows x 128 tokens, bfloat16
     outside = (2 * 128256 * 8192 + 8192) * 2 / 2**30
     assert f"host {hidden:.1f} GiB of hidden states" in note and "writes model/ (131.4 GiB before pruning)" in note
-    assert f"{2 * outside + block:.1f} GiB of weights (outside the blocks twice + one block)" in note
+    assert f"{2 * outside + 2 * block:.1f} GiB of weights (outside the blocks twice + two blocks: one runs, one is " \
+        "read ahead)" in note
+    assert gib(rows[("sequential", "device", "the next block (read ahead)")]) == pytest.approx(block, abs=0.05)
     assert ("sequential", "host", "every block's inputs (gradient pass)") not in rows
     # the gradient scorer: its backward a block at a time keeps every block's input of every window on the host
     assert main(["plan-memory", str(tmp_path / "r.yaml"), "--set", "scorer.name=gradient"]) == 0
@@ -441,3 +443,31 @@ def test_hidden_states_on_disk_need_a_layer_by_layer_pass(tmp_path, capsys):
     assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(tmp_path / "x"),
                  "--set", "capture.onload=all", "--set", "capture.hidden=disk"]) == 2
     assert "capture.hidden: disk keeps a layer-by-layer pass's hidden states" in capsys.readouterr().err
+
+
+def test_the_next_block_is_read_ahead_in_the_direction_of_travel(tmp_path, capsys):
+    """While block l runs, block l + 1 (l - 1 on the way down, as the gradient pass goes) is read on a background
+    thread; a read for a block that does not come next is dropped; `capture.read_ahead: false` reads none."""
+    from pruner.core import arch
+
+    lazy = lazy_model(assets.resolve("minilm-causal"))
+    reads = []
+    state = lazy._state
+    lazy._state = lambda layer, names, ahead=False: reads.append((layer, ahead)) or state(layer, names, ahead)
+    for layer in (0, 1, 2, 5, 4, 3, 0):
+        block = lazy.onload(layer)
+        assert all(p.device.type == "cpu" for p in block.parameters())
+        for pending in lazy._ahead.values():  # deterministic: each read ahead done before the next onload
+            pending.result()
+        lazy.offload(layer)
+    # 3 read ahead of 5 is dropped; the first step down reads 4 itself, then reads ahead downwards
+    assert reads == [(0, False), (1, True), (2, True), (3, True), (5, False), (4, False), (3, True), (2, True),
+                     (0, False), (1, True)]
+    assert all(p.device.type == "meta" for b in arch.blocks(lazy.model) for p in b.parameters())
+    lazy.read_ahead, reads[:] = False, []
+    lazy.onload(2)
+    assert reads == [(2, False)]
+    (tmp_path / "r.yaml").write_text(f"model: {{path: {assets.resolve('minilm-causal')}}}\n")
+    assert main(["plan-memory", str(tmp_path / "r.yaml"), "--set", "capture.read_ahead=false"]) == 0
+    out = capsys.readouterr().out
+    assert "the next block (read ahead)" not in out and "outside the blocks twice + one block)" in out

@@ -5,8 +5,9 @@ The model is built on the meta device from its config (no weights in memory, buf
 tables real); everything outside the blocks -- embeddings, final norm, language-model head -- is read at
 once; each block is read from the checkpoint's safetensors when `onload` asks for it (memory-mapped,
 copied in the model's dtype onto the compute device) and released by `offload`. Peak memory is the
-non-block weights and one block, whatever the depth. Every shard is checked whole before anything is
-read (`storage.check_shards`).
+non-block weights and one block (two with `read_ahead`: the next block is read on a background thread
+while the current one runs, so reading from disk, or copying to the GPU, overlaps compute), whatever the
+depth. Every shard is checked whole before anything is read (`storage.check_shards`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class LazyBlocks:
         self.config, self.cls = config, cls
         self.zero_missing_bias = False  # set by a writer that gave every block a bias the checkpoint lacks
         self.spill: Path | None = None  # a folder: passes keep their hidden states there (`layerwise.Spill`)
+        self.read_ahead = True  # read the next block while one runs (one more block in memory)
+        self._ahead: dict[int, object] = {}  # layer -> Future of its state
+        self._last: int | None = None
+        self._pool = None
         self.where = check_shards(self.folder)
         self.model = self.skeleton(config)
         names = {id(m): n for n, m in self.model.named_modules()}
@@ -86,16 +91,53 @@ class LazyBlocks:
         module.load_state_dict(state, strict=False, assign=True)
 
     def onload(self, layer: int) -> torch.nn.Module:
+        """Block `layer` with its weights on the device; with `read_ahead`, the next block in the direction of
+        travel (layer + 1, or layer - 1 after a step down) starts being read while this one runs."""
         block = arch.blocks(self.model)[layer]
+        ahead, self._ahead = self._ahead, {}
+        state = ahead.pop(layer).result() if layer in ahead else self._state(layer, self._names(layer))
+        for stale in ahead.values():  # read for a layer that did not come next: dropped
+            stale.cancel()
+        self._assign(block, state)
+        step = -1 if self._last == layer + 1 else 1
+        self._last = layer
+        if self.read_ahead and 0 <= layer + step < len(self.prefixes):
+            if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pruner-read-ahead")
+            self._ahead[layer + step] = self._pool.submit(self._state, layer + step, self._names(layer + step), True)
+        return block
+
+    def _names(self, layer: int) -> list[tuple[str, torch.Size]]:
+        """Block `layer`'s tensor names and shapes, read off the model here (not on the read-ahead thread)."""
+        return [(k, v.shape) for k, v in arch.blocks(self.model)[layer].state_dict().items()]
+
+    def _state(self, layer: int, names: list[tuple[str, torch.Size]], ahead: bool = False) -> dict[str, torch.Tensor]:
+        """Block `layer`'s tensors in the model's dtype. `ahead` (on the read-ahead thread): made resident where
+        they will run -- the memory-mapped pages read in (a CPU), or copied to the device on a side stream that
+        is waited for before they are handed over (a GPU) -- while the current block computes."""
         prefix = self.prefixes[layer]
         state = {}
-        for k, v in block.state_dict().items():
+        for k, shape in names:
             if self._key(prefix + k) is None and self.zero_missing_bias and k.endswith("bias"):
-                state[k] = torch.zeros(v.shape, dtype=self.dtype)  # a bias the surgery added (zero until set)
+                state[k] = torch.zeros(shape, dtype=self.dtype)  # a bias the surgery added (zero until set)
             else:
                 state[k] = self._read(prefix + k)
-        self._assign(block, state)
-        return block
+        if not ahead:
+            return state
+        if self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(stream):
+                state = {k: v.to(self.device, non_blocking=True) for k, v in state.items()}
+            stream.synchronize()
+            for v in state.values():  # freed later on the compute stream: not reused before its work is done
+                v.record_stream(torch.cuda.current_stream(self.device))
+        elif self.device.type == "cpu":
+            for v in state.values():  # one element per page: the kernel reads the file in while this one runs
+                if v.numel():
+                    v.reshape(-1)[::max(1, 4096 // v.element_size())].sum()
+        return state
 
     def offload(self, layer: int) -> None:
         arch.blocks(self.model)[layer].to("meta")

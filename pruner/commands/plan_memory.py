@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                   gradient=get_scorer(recipe.scorer.name).needs_gradient)
     samples = cal.num_samples or 64
     systems = get_scorer(recipe.scorer.name).needs_systems
-    plans = [mp.memory_plan(model, sizes, samples, mode, m.device, systems) for mode in ("all", "sequential")]
+    plans = [mp.memory_plan(model, sizes, samples, mode, m.device, systems, recipe.capture.hidden == "disk",
+                            recipe.capture.read_ahead) for mode in ("all", "sequential")]
     free = available_memory(m.device)
     chosen = recipe.capture.onload if recipe.capture.onload != "auto" else \
         ("sequential" if free is not None and model_bytes(model) > 0.8 * free else "all" if free is not None else "?")
@@ -49,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
           (f", {folds} folds for ridge auto" if folds else "") + "\n")
     print(mp.render(plans, m.device, chosen))
     ev = recipe.evaluation
-    print("\n" + mp.after_plan(model, ev.num_samples, ev.length, ev.batch_size))
+    print("\n" + mp.after_plan(model, ev.num_samples, ev.length, ev.batch_size, recipe.capture.read_ahead))
     return 0

@@ -137,6 +137,7 @@ def _load(recipe: Recipe):
     folder = sequential_folder(recipe)
     if folder is not None:
         lazy = lazy_model(folder, m.dtype, device)
+        lazy.read_ahead = recipe.capture.read_ahead
         return lazy.model, lazy
     return loading.load_base(m, device=device), None
 
@@ -170,7 +171,7 @@ def check_layerwise(session: Session, sizes: resources.Sizes, systems: bool) -> 
     cap = session.recipe.capture
     if cap.memory_check:
         plan = memory_plan.check_sequential(session.model, sizes, len(session.calibration), session.onloader.device,
-                                            systems, cap.hidden)
+                                            systems, cap.hidden, cap.read_ahead)
         if plan.spill:
             spill_hidden(session, sizes.gradient, cap.hidden == "auto")
     elif cap.hidden == "disk":

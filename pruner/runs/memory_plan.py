@@ -6,8 +6,8 @@
   (twice: the total and the batch being added) and one batch's activations; the host holds the
   finished sums (float64), every layer's W_O^T W_O (float32, `pruner.pruning.calibrate.layer_grams`) and,
   when the device is a GPU, the weights while `from_pretrained` loads them;
-- `sequential` (one block at a time, `pruner.core.layerwise`): the device holds the weights outside
-  the blocks (embeddings, final norm, LM head; on a CPU they stay memory-mapped from the checkpoint and
+- `sequential` (one block at a time, `pruner.core.layerwise`, and the next one read ahead unless
+  capture.read_ahead is off): the device holds the weights outside the blocks (embeddings, final norm, LM head; on a CPU they stay memory-mapped from the checkpoint and
   only what is read is resident: the embedding rows of the calibration tokens, no LM head), one block, one layer's sums (on a CPU only the batch's
   copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
   replaced), the finished layers' sums and their W_O^T W_O.
@@ -64,7 +64,7 @@ def block_bytes(model) -> int:
 
 
 def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu",
-                systems: bool = False, spill: bool = False) -> MemoryPlan:
+                systems: bool = False, spill: bool = False, read_ahead: bool = True) -> MemoryPlan:
     """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above),
     and with `systems` (the refit-aware scorer) the selection after it: every layer's float64 refit precision
     (S + lam I)^-1 beside the sums, and one layer's second moment and Cholesky factor while it is built."""
@@ -92,6 +92,7 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
     # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
     layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
     outside = parts["model"] - g.n_layers * one
+    blocks = {"one block": one, **({"the next block (read ahead)": one} if read_ahead else {})}
     if cpu:  # memory-mapped from the checkpoint: resident as read (embedding rows of the tokens; no LM head yet)
         emb = model.get_input_embeddings().weight
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -99,9 +100,9 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
         mapped = emb.numel() * act + (0 if head is None or tied else head.weight.numel() * act)
         rows = min(emb.shape[0], samples * sizes.length)
         dev = Estimate({"weights outside the blocks (memory-mapped: the rows read)": outside - mapped + rows *
-                        emb.shape[1] * act, "one block": one, **layer_sums, "one batch": work})
+                        emb.shape[1] * act, **blocks, **layer_sums, "one batch": work})
     else:
-        dev = Estimate({"weights outside the blocks": outside, "one block": one, **layer_sums, "one batch": work})
+        dev = Estimate({"weights outside the blocks": outside, **blocks, **layer_sums, "one batch": work})
     host = Estimate({**hidden, "finished sums": sums, "W_O^T W_O of every layer": grams, **scoring})
     if sizes.gradient:  # after the capture: every block's inputs kept for the backward, one batch through a block
         dev, host = _with_gradient(model, sizes, samples, dev, host, spill)
@@ -130,7 +131,7 @@ def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estim
 
 
 def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False,
-                     hidden: str = "memory") -> MemoryPlan:
+                     hidden: str = "memory", read_ahead: bool = True) -> MemoryPlan:
     """Refuse, before any compute, a layer-by-layer calibration whose peak exceeds what is free -- on the
     device and on the host (one memory on a CPU) -- naming the settings that would fit. The weights outside
     the blocks are already loaded. `hidden` (capture.hidden): "disk" plans the hidden states in files; "auto"
@@ -139,7 +140,7 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
     from pruner.runs.resources import ResourceError
 
     def short(z: Sizes, n: int, sys: bool, spill: bool) -> list[str]:  # where it does not fit: "host needs X, Y free"
-        plan = memory_plan(model, z, n, "sequential", device, sys, spill)
+        plan = memory_plan(model, z, n, "sequential", device, sys, spill, read_ahead)
         outside = next(v for k, v in plan.device.parts.items() if k.startswith("weights outside the blocks"))
         checks = [("memory", plan.total - outside, available_memory("cpu"))] if plan.cpu else \
             [(str(device), plan.device.total - outside, available_memory(device)),
@@ -152,7 +153,7 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
     if missing and hidden == "auto" and not short(sizes, samples, systems, True):
         missing, spill = [], True  # the hidden states to files: that alone makes it fit
     if not missing:
-        return memory_plan(model, sizes, samples, "sequential", device, systems, spill)
+        return memory_plan(model, sizes, samples, "sequential", device, systems, spill, read_ahead)
     options = [] if spill else [("capture.hidden: disk (every window's hidden states in files under "
                                  "capture.spill_dir)", sizes, samples, systems, True)]
     if sizes.moments == "float64":
@@ -177,26 +178,28 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
                            "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
 
 
-def after_plan(model, windows: int | None, length: int, batch: int = 8) -> str:
+def after_plan(model, windows: int | None, length: int, batch: int = 8, read_ahead: bool = True) -> str:
     """What the stages after the plan hold (a note under the table), with the blocks on disk: perplexity
-    (`prune` and `compare`) keeps every evaluation window's hidden states on the host and one block on the
-    device (`pruner.evaluation.perplexity.window_scores`); `prune` writes model/ a block at a time and reads it
-    back the same way (`pruner.checkpoints.streamed`: the weights outside the blocks twice, the written copy's
-    and the base's, and one block)."""
+    (`prune` and `compare`) keeps every evaluation window's hidden states on the host and one block (two
+    with `read_ahead`) on the device (`pruner.evaluation.perplexity.window_scores`); `prune` writes model/ a
+    block at a time and reads it back the same way (`pruner.checkpoints.streamed`: the weights outside the
+    blocks twice, the written copy's and the base's, and the blocks)."""
     g = arch.geometry(model)
     d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    outside = weights - g.n_layers * block_bytes(model)
+    one = block_bytes(model)
+    outside = weights - g.n_layers * one
+    blocks, which = (2 * one, "two blocks: one runs, one is read ahead") if read_ahead else (one, "one block")
     hidden = "" if windows is None else \
         f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens),"
     vocab = getattr(model.config, "vocab_size", 0) or 0
     logits = batch * length * vocab * (act + 8)  # the LM head's output, its float32 copy and log-softmax
     return (f"after the plan, with the blocks on disk: `pruner prune` and `pruner compare` evaluate one block at a "
-            f"time{hidden} device {gib(outside + block_bytes(model))} of weights (outside the blocks + one block) "
-            f"and one batch ({gib(logits)} of logits); `prune` writes model/ ({gib(weights)} before pruning) a block at a time and reads it "
-            f"back the same way: {gib(2 * outside + block_bytes(model))} of weights (outside the blocks twice + "
-            "one block); evaluation.tasks, latency and bench need the whole model")
+            f"time{hidden} device {gib(outside + blocks)} of weights (outside the blocks + {which}) "
+            f"and one batch ({gib(logits)} of logits); `prune` writes model/ ({gib(weights)} before pruning) a block "
+            f"at a time and reads it back the same way: {gib(2 * outside + blocks)} of weights (outside the blocks "
+            f"twice + {which}); evaluation.tasks, latency and bench need the whole model")
 
 
 def meta_model(config):

@@ -225,6 +225,8 @@ class CaptureSpec(_Strict):
                             "its memory that grows with the calibration set); disk: memory-mapped files under "
                             "spill_dir, removed after each pass (the same numbers); auto: disk only where the memory "
                             "check finds that memory cannot hold them and files make it fit")
+    read_ahead: bool = Field(True, description="layer by layer: read the next block from disk (or copy it to the GPU) "
+                                               "on a background thread while one runs; one more block in memory")
     spill_dir: str | None = Field(None, description="the folder for capture.hidden's files (default: the system's "
                                                     "temporary folder)")
 
