@@ -38,8 +38,8 @@ class OutputMoments:
     def __add__(self, other: "OutputMoments") -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
-    def to(self, device) -> "OutputMoments":
-        return OutputMoments(*(getattr(self, f.name).to(device) for f in fields(self)))
+    def to(self, device, non_blocking: bool = False) -> "OutputMoments":
+        return OutputMoments(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
 
 
 @dataclass
@@ -58,8 +58,8 @@ class FoldMoments:
     def __add__(self, other: "FoldMoments") -> "FoldMoments":
         return FoldMoments(self.tokens + other.tokens, self.o + other.o, self.joint + other.joint)
 
-    def to(self, device) -> "FoldMoments":
-        return FoldMoments(self.tokens.to(device), self.o.to(device), self.joint.to(device))
+    def to(self, device, non_blocking: bool = False) -> "FoldMoments":
+        return FoldMoments(*(x.to(device, non_blocking=non_blocking) for x in (self.tokens, self.o, self.joint)))
 
 
 def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: bool = False) -> FoldMoments:

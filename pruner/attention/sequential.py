@@ -65,7 +65,10 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
             if on_layer is not None:
                 on_layer(layer)
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
-                cap.layers[layer] = cap.layers[layer].to("cpu")
+                gpu = device.type == "cuda"  # page-locked, asynchronous copies; one wait per layer
+                cap.layers[layer] = cap.layers[layer].to("cpu", non_blocking=gpu)
+                if gpu:
+                    torch.cuda.synchronize(device)
             if rerun is None and reduce_now:  # reduced as it finishes: rank 0 alone keeps it, as stored
                 total = distributed.reduce_tree(cap.layers.pop(layer), to_root=True)
                 if total is not None:

@@ -69,13 +69,16 @@ class LayerStats:
         folds = None if self.folds is None else replace(self.folds, joint=self.folds.joint.to(cast))
         return replace(self, outputs=outputs, folds=folds)
 
-    def to(self, device) -> "LayerStats":
-        """The same sums on `device` (layers of a device_map model live on different devices)."""
+    def to(self, device, non_blocking: bool = False) -> "LayerStats":
+        """The same sums on `device` (layers of a device_map model live on different devices). `non_blocking`
+        from a GPU to the CPU: page-locked destinations filled asynchronously -- the caller synchronizes once
+        before reading them, not once per tensor."""
         skip = ("pairs", "outputs", "folds")
-        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in skip}
-        move = lambda x: None if x is None else x.to(device)  # noqa: E731
-        return LayerStats(**kw, pairs={k: v.to(device) for k, v in self.pairs.items()}, outputs=move(self.outputs),
-                          folds=move(self.folds))
+        kw = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)
+              if f.name not in skip}
+        move = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+        return LayerStats(**kw, pairs={k: v.to(device, non_blocking=non_blocking) for k, v in self.pairs.items()},
+                          outputs=move(self.outputs), folds=move(self.folds))
 
 
 @dataclass(frozen=True)
