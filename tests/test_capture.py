@@ -254,3 +254,26 @@ def test_residual_energy_is_the_mean_squared_stream_norm():
     keep = batch.attention_mask.bool()
     expected = torch.stack([h[keep].double().pow(2).sum(-1).mean() for h in hs[:-1]])
     torch.testing.assert_close(stats.residual, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_head_gram_and_row_dot_are_the_einsums_and_do_not_depend_on_the_thread_count():
+    """The capture's per-row products without einsum's layout copies: the einsums' sums to float32 rounding, and the
+    same bits at 1 and 2 threads (a plan must not depend on the machine's thread count)."""
+    from pruner.attention.pairs import head_gram, row_dot
+
+    g = torch.Generator().manual_seed(0)
+    runs = []
+    for shape in ((3, 5, 7, 33), (2, 32, 16, 512)):
+        x, y = torch.rand(*shape, generator=g), torch.rand(*shape, generator=g)
+        torch.testing.assert_close(head_gram(x), torch.einsum("bhqk,bgqk->bqhg", x, x), rtol=1e-6, atol=0)
+        torch.testing.assert_close(row_dot(x, y), torch.einsum("bhqk,bhqk->bhq", x, y), rtol=1e-6, atol=0)
+        assert head_gram(x).shape == (*shape[:1], shape[2], shape[1], shape[1]) and row_dot(x, y).shape == shape[:3]
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                runs.append((head_gram(x), row_dot(x, y)))
+        finally:
+            torch.set_num_threads(threads)
+        (a1, b1), (a2, b2) = runs[-2:]
+        assert torch.equal(a1, a2) and torch.equal(b1, b2)

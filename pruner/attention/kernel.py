@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pruner.attention import composition as cp
-from pruner.attention.pairs import cosine_from_gram, pair_sum, row_pairs
+from pruner.attention.pairs import cosine_from_gram, head_gram, pair_sum, row_dot, row_pairs
 from pruner.attention.sums import LayerStats
 from pruner.core.precision import matmul_precision
 
@@ -247,9 +247,9 @@ def _fold_chunk(z: Tensor, a: Tensor, ck: ChunkKeys, keys: LayerKeys, acc: _Rows
             _add_pairs(acc.pairs, f"{name}/{cp.FULL}", pair_sum(torch.nan_to_num(m).double(), keys.w[:, q0:q1]))
     a.index_copy_(-1, cols, a_s - a_sr)  # a -> its content part (zero on each sequence's sinks)
     acc.rest[:, :, q0:q1] = rest = a.sum(-1)  # (B, H, c) content mass, summed from the content parts
-    acc.dot[:, :, q0:q1] = dot = torch.einsum("bhqk,bhqk->bhq", a, z)
+    acc.dot[:, :, q0:q1] = dot = row_dot(a, z)
     if acc.gram is not None:
-        acc.gram[:, q0:q1] = torch.einsum("bhqk,bgqk->bqhg", a, a)  # (B, c, H, H)
+        acc.gram[:, q0:q1] = head_gram(a)  # (B, c, H, H)
     if extra:  # the content compositions c = a_C / (1 - s)
         h_content = torch.where(rest > 0, torch.log(rest) + lse - dot / rest.clamp_min(torch.finfo(a.dtype).tiny),
                                 torch.zeros((), dtype=a.dtype))
@@ -302,11 +302,10 @@ def _finish(acc: _Rows, keys: LayerKeys, metrics: tuple[str, ...], dormant_thres
                            (s >= dormant_threshold).to(s.dtype), h_content])  # (7, B, H, T)
     sums = torch.einsum("nbhq,nbq->nh", per_row.double(), torch.stack([w] * 6 + [wc]))
     pairs = dict(acc.pairs)
-    if acc.gram is not None:
-        full = acc.gram + torch.einsum("bhqs,bgqs->bqhg", acc.sink, acc.sink)
-        cos = torch.einsum("nbqij,nbq->nij", cosine_from_gram(torch.stack([full, acc.gram])).double(),
-                           torch.stack([w, wc]))
-        pairs[f"cosine/{cp.FULL}"], pairs[f"cosine/{cp.CONTENT}"] = cos
+    if acc.gram is not None:  # each convention on its own: no stacked (2, B, T, H, H) copy
+        full = acc.gram + head_gram(acc.sink)
+        pairs[f"cosine/{cp.FULL}"] = pair_sum(cosine_from_gram(full).double(), w)
+        pairs[f"cosine/{cp.CONTENT}"] = pair_sum(cosine_from_gram(acc.gram).double(), wc)
     order = [f"{m}/{conv}" for conv in (cp.FULL, cp.CONTENT) for m in metrics]
     return LayerStats(rows=w.sum(), content_rows=wc.sum(), sink_mass=sums[0], entropy_full=sums[1],
                       entropy_content=sums[6], g=sums[2], rest=sums[3], rest_h_content=sums[4], dormant=sums[5],

@@ -20,9 +20,29 @@ def pair_sum(x: Tensor, w: Tensor) -> Tensor:
     return torch.einsum("bqij,bq->ij", x, w)
 
 
+def head_gram(x: Tensor) -> Tensor:
+    """Per-row Gram matrices of the heads' rows: x (B, H, c, K) -> (B, c, H, H), sum_k x[b,h,q,k] x[b,g,q,k].
+
+    One strided batched product per sample -- the (c, H, K) view of x[b] is a valid batched matrix as it
+    lies, no copy -- where einsum's generic path first copies x twice into a (B, c, K, H) layout, about ten
+    times the product's own cost on a CPU. The einsum's sums to float32 rounding, and the same bits at any
+    thread count (`tests/test_capture.py`)."""
+    B, H, c, _ = x.shape
+    out = x.new_empty(B, c, H, H)
+    for b in range(B):
+        v = x[b].transpose(0, 1)  # (c, H, K)
+        torch.bmm(v, v.transpose(1, 2), out=out[b])
+    return out
+
+
+def row_dot(x: Tensor, y: Tensor) -> Tensor:
+    """sum_k x[..., k] y[..., k] for x, y (B, H, c, K): (B, H, c), as one batched product (no product tensor)."""
+    return torch.matmul(x.unsqueeze(-2), y.unsqueeze(-1))[..., 0, 0]
+
+
 def _cosine_pairs(p: Tensor) -> Tensor:
     """p: (B, H, c, K) -> (B, c, H, H) cosine between heads, per row."""
-    return cosine_from_gram(torch.einsum("bhqk,bgqk->bqhg", p, p))
+    return cosine_from_gram(head_gram(p))
 
 
 def cosine_from_gram(gram: Tensor) -> Tensor:
