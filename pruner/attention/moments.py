@@ -118,13 +118,8 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     o_sum, u_sum = ((y if every else y * r).sum(0, dtype=torch.float64) for y in (x, uf))
     ref_o, ref_u = (o_sum / n).float(), (u_sum / n).float()
     xc = x.float() - ref_o  # (N, H * d_head)
-    uc = uf - ref_u
     if not every:
         xc.mul_(r)
-        uc.mul_(r)
-    wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
-    uc = uc.view(N, H, D)
-    ref_w = (ref_o - ref_u).view(H, D)
     if folds is None:
         with matmul_precision(bf16):
             joint_c = gram(xc, H)
@@ -144,11 +139,15 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
 
     joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
     oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
-    if not channels:
+    if not channels:  # the channels' centred copies are never made
         none = torch.zeros(0, dtype=torch.float64, device=joint.device)
         return OutputMoments(n, o_sum, u_sum, w_sum, oo, none, none.clone(), joint)
-    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc), u_sum, ref_u.view(H, D)),
-                         uncentre(per_head(wc), w_sum, ref_w), joint)
+    uc = uf - ref_u
+    if not every:
+        uc.mul_(r)
+    wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
+    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc.view(N, H, D)), u_sum, ref_u.view(H, D)),
+                         uncentre(per_head(wc), w_sum, (ref_o - ref_u).view(H, D)), joint)
 
 
 def gram(x: Tensor, heads: int, rows: int = 512) -> Tensor:
