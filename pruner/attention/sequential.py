@@ -65,10 +65,7 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
             if on_layer is not None:
                 on_layer(layer)
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
-                gpu = device.type == "cuda"  # page-locked, asynchronous copies; one wait per layer
-                cap.layers[layer] = cap.layers[layer].to("cpu", non_blocking=gpu)
-                if gpu:
-                    torch.cuda.synchronize(device)
+                cap.layers[layer] = _to_host(cap.layers[layer], device)
             if rerun is None and reduce_now:  # reduced as it finishes: rank 0 alone keeps it, as stored
                 total = distributed.reduce_tree(cap.layers.pop(layer), to_root=True)
                 if total is not None:
@@ -86,3 +83,13 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     if bar is not None:
         bar.close()
     return None if rerun is not None else cap.result()
+
+
+def _to_host(sums: LayerStats, device: torch.device) -> LayerStats:
+    """A finished layer's sums on the CPU: from a GPU as page-locked, asynchronous copies with one wait for the
+    layer (not a synchronous copy per tensor)."""
+    gpu = device.type == "cuda"
+    sums = sums.to("cpu", non_blocking=gpu)
+    if gpu:
+        torch.cuda.synchronize(device)
+    return sums

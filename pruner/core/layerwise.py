@@ -93,8 +93,9 @@ class Spill:
     under pressure, where an anonymous one would have to fit. One file per slot, each holding every call's
     (B, T, d_model) in order: block `layer`'s outputs go to slot layer + 1 (`keep_every_layer`: every block's
     inputs stay, as the gradient pass needs) or alternate between two slots (inputs and outputs). Negative
-    slots are the caller's (the gradient pass hands its gradients down in one, each call's overwritten once used). Values are exact copies:
-    a pass with a spill computes what it computes without one. The folder is removed on exit."""
+    slots are the caller's (the gradient pass hands its gradients down in one, each call's overwritten once
+    used). Values are exact copies: a pass with a spill computes what it computes without one. The folder
+    is removed on exit, failure included."""
 
     def __init__(self, folder: str | Path, keep_every_layer: bool = False):
         import tempfile
