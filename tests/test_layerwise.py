@@ -181,11 +181,9 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-@pytest.mark.parametrize("recipe", ["quickstart", "llama-shakespeare"])
-def test_prune_and_export_layer_by_layer_never_load_the_whole_model(recipe, tmp_path, monkeypatch):
-    """`pruner prune` with the blocks on disk -- calibration, perplexity, compensation, surgery and the written
-    model/ one block at a time, the whole-model loader never called -- and then `pruner export` the same way:
-    the plan, the perplexities and every written tensor of the whole-model run."""
+def whole_then_by_block(tmp_path, monkeypatch, recipe: str, extra: list[str], after=None) -> dict[str, Path]:
+    """`pruner prune` of a shipped recipe with the whole model, then with the blocks on disk and the whole-model
+    loader patched to fail; `after(mode, out)` (asserted true) runs after each, under the same patch."""
     from pruner.checkpoints import loading
 
     runs = {}
@@ -195,9 +193,19 @@ def test_prune_and_export_layer_by_layer_never_load_the_whole_model(recipe, tmp_
                 AssertionError("the whole model was loaded")))
         out = tmp_path / mode
         assert main(["prune", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out),
-                     "--set", f"capture.onload={mode}"] + QUICK) == 0
-        assert main(["export", str(out), "--format", "dense", "--out", str(tmp_path / f"dense-{mode}")]) == 0
+                     "--set", f"capture.onload={mode}"] + extra + QUICK) == 0
+        assert after is None or after(mode, out)
         runs[mode] = out
+    return runs
+
+
+@pytest.mark.parametrize("recipe", ["quickstart", "llama-shakespeare"])
+def test_prune_and_export_layer_by_layer_never_load_the_whole_model(recipe, tmp_path, monkeypatch):
+    """`pruner prune` with the blocks on disk -- calibration, perplexity, compensation, surgery and the written
+    model/ one block at a time, the whole-model loader never called -- and then `pruner export` the same way:
+    the plan, the perplexities and every written tensor of the whole-model run."""
+    runs = whole_then_by_block(tmp_path, monkeypatch, recipe, [], lambda mode, out: main(
+        ["export", str(out), "--format", "dense", "--out", str(tmp_path / f"dense-{mode}")]) == 0)
     assert (runs["all"] / "plan.json").read_text() == (runs["sequential"] / "plan.json").read_text()
     a, b = (json.loads((runs[m] / "metrics.json").read_text()) for m in ("all", "sequential"))
     assert a["evaluation"]["pruned"] == pytest.approx(b["evaluation"]["pruned"], rel=1e-9)
@@ -283,17 +291,8 @@ def test_the_gradient_pass_block_by_block_equals_the_whole_models(family, side):
 def test_the_gradient_scorer_prunes_block_by_block_from_disk(tmp_path, monkeypatch):
     """`scorer.name: gradient` with the blocks on disk: the whole-model loader never called, the same plan as the
     whole-model run (the scores agree to float32 rounding; the plan is what is compared)."""
-    from pruner.checkpoints import loading
-
-    plans = {}
-    for mode in ("all", "sequential"):
-        if mode == "sequential":
-            monkeypatch.setattr(loading, "load_base", lambda *a, **k: (_ for _ in ()).throw(
-                AssertionError("the whole model was loaded")))
-        out = tmp_path / mode
-        assert main(["prune", str(ROOT / "recipes" / "quickstart.yaml"), "--out", str(out), "--set",
-                     f"capture.onload={mode}", "--set", "scorer.name=gradient"] + QUICK) == 0
-        plans[mode] = json.loads((out / "plan.json").read_text())
+    runs = whole_then_by_block(tmp_path, monkeypatch, "quickstart", ["--set", "scorer.name=gradient"])
+    plans = {mode: json.loads((out / "plan.json").read_text()) for mode, out in runs.items()}
     assert plans["all"]["heads"] == plans["sequential"]["heads"]
     assert plans["all"]["scorer"] == "gradient"
 
