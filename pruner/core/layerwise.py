@@ -83,7 +83,17 @@ def call_block(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Te
 @torch.no_grad()
 def through(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
     """One block call: `hidden` (B, T, d_model) through `block` on `device`, back where `hidden` was."""
-    return call_block(block, hidden, call, device).to(hidden.device)
+    return kept_on(call_block(block, hidden, call, device), hidden.device)
+
+
+def kept_on(x: torch.Tensor, storage: str | torch.device) -> torch.Tensor:
+    """`x` where the pass keeps hidden states: from a GPU to the host into page-locked memory (the fast
+    transfer path both ways, and what the next block's copy back reads from), otherwise a plain move."""
+    storage = torch.device(storage)
+    if x.device.type == "cuda" and storage.type == "cpu":
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        return out.copy_(x)
+    return x.to(storage)
 
 
 class Spill:
@@ -168,7 +178,7 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     def hook(module, args, kwargs):
         kw = dict(kwargs)
         hidden = args[0] if args else kw.pop("hidden_states")
-        calls.append(BlockCall(hidden.to(storage), _move(kw, storage), _move(tuple(args[1:]), storage)))
+        calls.append(BlockCall(kept_on(hidden, storage), _move(kw, storage), _move(tuple(args[1:]), storage)))
         raise _Stop
 
     handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
