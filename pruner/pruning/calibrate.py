@@ -6,6 +6,9 @@ computed here once, so every attention-based scorer reuses one capture pass.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from tqdm.auto import tqdm
 
@@ -116,6 +119,24 @@ def _lm_example_loss(model, batch: TokenBatch, i: int) -> torch.Tensor:
     return lm_loss(model, batch.input_ids[i:i + 1], batch.attention_mask[i:i + 1])
 
 
+@contextmanager
+def for_mask_gradients(module: torch.nn.Module) -> Iterator[None]:
+    """`module` in eval mode with its weights' gradients off, both restored after: a head-mask gradient pass
+    needs only the masks' gradients -- weight gradients would cost a model-sized .grad and a third of each
+    backward."""
+    was_training = module.training
+    frozen = [w for w in module.parameters() if w.requires_grad]
+    module.eval()
+    for w in frozen:
+        w.requires_grad_(False)
+    try:
+        yield
+    finally:
+        module.train(was_training)
+        for w in frozen:
+            w.requires_grad_(True)
+
+
 def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_fn=_lm_example_loss,
                         checkpoints: resume.Checkpoints = resume.NONE) -> torch.Tensor:
     """Michel et al. 2019: sum over examples of |dL(x)/d mask_h|, normalised per layer. (layer, head)
@@ -140,28 +161,21 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     done = 0 if saved is None else saved["cursor"]
     if saved is not None:
         total = saved["total"]
-    was_training = model.training
-    model.eval()
-    frozen = [w for w in model.parameters() if w.requires_grad]  # only xi's gradient is needed: weight
-    for w in frozen:  # gradients would cost a model-sized .grad and a third of each backward
-        w.requires_grad_(False)
     try:
         it = mine[done:]
         it = tqdm(it, total=len(mine), initial=done, desc="gradient", unit="window") if progress else it
-        for k, i in enumerate(it, start=done + 1):
-            xi.grad = None
-            loss = loss_fn(model, batch, i)
-            loss.backward()
-            total += xi.grad.detach().abs().double()
-            checkpoints.step("gradient", k, lambda: {"cursor": k, "total": total.clone()})
-        model.zero_grad(set_to_none=True)
+        with for_mask_gradients(model):
+            for k, i in enumerate(it, start=done + 1):
+                xi.grad = None
+                loss = loss_fn(model, batch, i)
+                loss.backward()
+                total += xi.grad.detach().abs().double()
+                checkpoints.step("gradient", k, lambda: {"cursor": k, "total": total.clone()})
+            model.zero_grad(set_to_none=True)
         checkpoints.finish("gradient", lambda: {"cursor": len(mine), "total": total.clone()})
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
-        for w in frozen:
-            w.requires_grad_(True)
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 

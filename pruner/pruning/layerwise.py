@@ -22,7 +22,15 @@ from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
 from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks, spilled
 from pruner.core.runtime import attends_causally, forward
-from pruner.pruning.calibrate import PRICING_RIDGE, diagonal_blocks, example_losses, layer_gram, mlm_masks, weight_norm
+from pruner.pruning.calibrate import (
+    PRICING_RIDGE,
+    diagonal_blocks,
+    example_losses,
+    for_mask_gradients,
+    layer_gram,
+    mlm_masks,
+    weight_norm,
+)
 from pruner.pruning.compensation import choose_layer_ridge, diagnostics, refit_layer
 from pruner.pruning.scoring import ScoringInputs, cross_energy
 from pruner.pruning.surgery import Compensation, masked
@@ -122,14 +130,9 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
     g = arch.geometry(model)
     inputs, attn, labels = _loss_batches(batch, tokenizer, causal, seed, batch_size)
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    frozen = [w for w in model.parameters() if w.requires_grad]  # outside the blocks: no weight gradient
-    for w in frozen:
-        w.requires_grad_(False)
     bar = tqdm(total=2 * g.n_layers, desc="gradient (layer by layer)", unit="layer") if progress else None
     try:
-        with spilled(onloader, keep_every_layer=True) as spill:
+        with for_mask_gradients(model), spilled(onloader, keep_every_layer=True) as spill:
             calls = first_block_calls(model, list(zip(inputs, attn)), device)
             kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
             run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
@@ -148,9 +151,6 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
                 if bar is not None:
                     bar.update(1)
     finally:
-        model.train(was_training)
-        for w in frozen:
-            w.requires_grad_(True)
         if bar is not None:
             bar.close()
     total = distributed.sum_in_rank_order(total)
@@ -192,16 +192,11 @@ def _block_backward(model, block, x: torch.Tensor, call: BlockCall, grad_out: to
     xi = torch.ones(x.shape[0], g.n_heads, requires_grad=True)  # (B, head): one mask per example
     hook = arch.get(block, ad.o_proj).register_forward_pre_hook(
         lambda m, args: (args[0] * xi.repeat_interleave(g.head_dim, -1).to(args[0])[:, None], *args[1:]))
-    weights = [w for w in block.parameters() if w.requires_grad]
-    for w in weights:
-        w.requires_grad_(False)
     h = x.to(device).detach().requires_grad_(need_input)
     try:
-        with torch.enable_grad():
+        with for_mask_gradients(block), torch.enable_grad():  # an onloaded block's weights come back trainable
             out = call_block(block, h, call, device)
             out.backward(grad_out.to(out))
     finally:
         hook.remove()
-        for w in weights:
-            w.requires_grad_(True)
     return xi.grad.abs().double().sum(0), h.grad.to(x.device) if need_input else None

@@ -186,11 +186,8 @@ def spill_hidden(session: Session, gradient: bool, chosen: bool = False) -> None
 
     r = session.recipe
     folder = Path(r.capture.spill_dir) if r.capture.spill_dir is not None else Path(tempfile.gettempdir())
-    ids = session.calibration.input_ids
-    d_model = arch.o_weight_cols(session.model, 0).shape[0]
-    act = next(session.model.parameters()).element_size()
     slots = arch.geometry(session.model).n_layers + 2 if gradient else 2  # every block's inputs + gradients
-    need = slots * ids.numel() * d_model * act
+    need = memory_plan.hidden_bytes(session.model, slots * session.calibration.input_ids.numel())
     folder.mkdir(parents=True, exist_ok=True)
     if need > resources.free_disk(folder):
         raise resources.ResourceError(

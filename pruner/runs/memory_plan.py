@@ -63,6 +63,12 @@ def block_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in arch.blocks(model)[0].parameters())
 
 
+def hidden_bytes(model, tokens: int) -> int:
+    """Bytes of `tokens` hidden states (d_model each) in the model's dtype: what a layer-by-layer pass keeps
+    between blocks, per window token."""
+    return tokens * arch.o_weight_cols(model, 0).shape[0] * next(model.parameters()).element_size()
+
+
 def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu",
                 systems: bool = False, spill: bool = False, read_ahead: bool = True) -> MemoryPlan:
     """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above),
@@ -84,11 +90,10 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
                          **({} if cpu else {"weights while loading": parts["model"]})})
         return MemoryPlan(onload, dev, host, cpu)
     one = block_bytes(model)
-    d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
-    batch_hidden = sizes.batch_size * sizes.length * d_model * act
+    batch_hidden = hidden_bytes(model, sizes.batch_size * sizes.length)
     hidden = {"hidden states: one batch (every window's in files: capture.hidden disk)": batch_hidden} if spill \
-        else {"hidden states of every window": samples * sizes.length * d_model * act + batch_hidden}
+        else {"hidden states of every window": hidden_bytes(model, samples * sizes.length) + batch_hidden}
     # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
     layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
     outside = parts["model"] - g.n_layers * one
@@ -119,10 +124,10 @@ def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estim
     s = model_shape(model)
     a = next(model.parameters()).element_size()
     B, T = sizes.batch_size, sizes.length
-    inputs = (s["L"] + 1) * samples * T * s["d"] * a
+    inputs = hidden_bytes(model, (s["L"] + 1) * samples * T)
     name = "every block's inputs (gradient pass)"
     if spill:  # in files: the batch being written
-        inputs, name = B * T * s["d"] * a, "every block's inputs (gradient pass): one batch (the rest in files)"
+        inputs, name = hidden_bytes(model, B * T), "every block's inputs (gradient pass): one batch (the rest in files)"
     backward = max(B * (BACKWARD_PER_LAYER * T * s["d"] * a + s["H"] * T * T * 4 + 3 * T * s["ffn"] * a),
                    3 * B * T * s["V"] * 4)
     dev_parts = dict(dev.parts)
@@ -185,14 +190,13 @@ def after_plan(model, windows: int | None, length: int, batch: int = 8, read_ahe
     block at a time and reads it back the same way (`pruner.checkpoints.streamed`: the weights outside the
     blocks twice, the written copy's and the base's, and the blocks)."""
     g = arch.geometry(model)
-    d_model = arch.o_weight_cols(model, 0).shape[0]
     act = next(model.parameters()).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     one = block_bytes(model)
     outside = weights - g.n_layers * one
     blocks, which = (2 * one, "two blocks: one runs, one is read ahead") if read_ahead else (one, "one block")
     hidden = "" if windows is None else \
-        f": host {gib(windows * length * d_model * act)} of hidden states ({windows} windows x {length} tokens),"
+        f": host {gib(hidden_bytes(model, windows * length))} of hidden states ({windows} windows x {length} tokens),"
     vocab = getattr(model.config, "vocab_size", 0) or 0
     logits = batch * length * vocab * (act + 8)  # the LM head's output, its float32 copy and log-softmax
     return (f"after the plan, with the blocks on disk: `pruner prune` and `pruner compare` evaluate one block at a "
