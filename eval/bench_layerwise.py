@@ -108,6 +108,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     from pruner.core.data import TokenBatch
     from pruner.core.layerwise import first_block_calls, run_blocks
     from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.pruning.per_layer import CurveRequest
     from pruner.runs import memory_plan
     from pruner.runs.resources import Sizes
 
@@ -126,7 +127,8 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     peak_plain = _peak()
     t0 = time.perf_counter()
     cfg = CaptureConfig(metrics=("cosine",), outputs=True)
-    calibrate_layerwise(lazy.model, batch, SinkSpec("first"), None, cfg, lazy, batch_size=4, ridge=ridge)
+    calibrate_layerwise(lazy.model, batch, SinkSpec("first"), None, cfg, lazy, request=CurveRequest(()), batch_size=4,
+                        ridge=ridge)
     cal_s = time.perf_counter() - t0
     sizes = Sizes(batch_size=min(4, windows), length=length, pair_metrics=1, outputs=True)
     plan = memory_plan.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
@@ -151,17 +153,20 @@ def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: i
     from pruner.core import arch, distributed
     from pruner.core.data import TokenBatch
     from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.pruning.per_layer import CurveRequest
     from pruner.pruning.scoring import get_scorer
-    from pruner.pruning.selection import SelectionConfig, select
+    from pruner.pruning.selection import SelectionConfig, curve_key, select
 
     torch.set_num_threads(threads)
     lazy = lazy_model(folder, "bfloat16")
     ids = torch.randint(3, lazy.model.config.vocab_size, (windows, length), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
-    inputs = calibrate_layerwise(lazy.model, TokenBatch(ids, torch.ones_like(ids)), SinkSpec("first"), None,
-                                 CaptureConfig(metrics=("cosine",), outputs=True), lazy, batch_size=4, ridge=ridge)
-    cal_s = time.perf_counter() - t0
     g = arch.geometry(lazy.model)
+    keys = tuple(curve_key(get_scorer(n), g, SelectionConfig(target=0.25)) for n in ("sink-aware", "refit-energy"))
+    inputs = calibrate_layerwise(lazy.model, TokenBatch(ids, torch.ones_like(ids)), SinkSpec("first"), None,
+                                 CaptureConfig(metrics=("cosine",), outputs=True), lazy, request=CurveRequest(keys),
+                                 batch_size=4, ridge=ridge)
+    cal_s = time.perf_counter() - t0
     plans = None if inputs is None else {  # several processes: rank 0 alone keeps the sums and selects
         name: select(get_scorer(name), inputs, g, SelectionConfig(target=0.25)).heads
         for name in ("sink-aware", "refit-energy")}

@@ -13,7 +13,8 @@ import argparse
 from pruner.core import arch
 from pruner.core.tables import markdown_table
 from pruner.pruning.scoring import SCORERS, get_scorer
-from pruner.pruning.selection import SelectionConfig, convention_sensitivity, select
+from pruner.pruning.per_layer import CurveRequest
+from pruner.pruning.selection import SelectionConfig, convention_sensitivity, curve_key, select
 from pruner.runs import context, pipeline
 from pruner.runs.recipe_io import load_recipe
 
@@ -27,9 +28,11 @@ def main() -> None:
         recipe = load_recipe({"model": {"path": name}, "evaluation": {"data": "shakespeare:evaluation",
                                                                       "num_samples": 1}})
         session = context.prepare(recipe, progress=False)
-        inputs = pipeline.scoring_inputs(session, gradient=True, progress=False)
         geom = arch.geometry(session.model)
         cfg = SelectionConfig(target=args.target)
+        scorers = [get_scorer(s) for s in SCORERS]
+        inputs = pipeline.scoring_inputs(session, scorers, CurveRequest(tuple(curve_key(s, geom, cfg) for s in scorers)),
+                                         [session.recipe.surgery.compensation], progress=False)
         print(f"\n## {name}: {geom.n_layers} layers x {geom.n_heads} heads, {args.target:.0%} pruned")
         rows = []
         for s in SCORERS:

@@ -181,6 +181,19 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
+def same_plan(a: Path, b: Path) -> None:
+    """The same heads in the same order, the same twins; the recorded scores to float32 rounding of the moments (a
+    layer-by-layer calibration whose refit runs a pass of its own captures no fold moments, and the joint moments
+    summed directly round differently from their sum over folds, by ~1e-8 of their scale, which a Schur complement
+    of the refit-aware scorer amplifies to ~1e-6 of a marginal cost)."""
+    pa, pb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert pa["heads"] == pb["heads"] and len(pa["entries"]) == len(pb["entries"])
+    for x, y in zip(pa["entries"], pb["entries"]):
+        assert {k: v for k, v in x.items() if not isinstance(v, float)} == \
+            {k: v for k, v in y.items() if not isinstance(v, float)}
+        assert y == pytest.approx(x, rel=1e-5, abs=1e-12)
+
+
 def whole_then_by_block(tmp_path, monkeypatch, recipe: str, extra: list[str], after=None) -> dict[str, Path]:
     """`pruner prune` of a shipped recipe with the whole model, then with the blocks on disk and the whole-model
     loader patched to fail; `after(mode, out)` (asserted true) runs after each, under the same patch."""
@@ -206,7 +219,7 @@ def test_prune_and_export_layer_by_layer_never_load_the_whole_model(recipe, tmp_
     the plan, the perplexities and every written tensor of the whole-model run."""
     runs = whole_then_by_block(tmp_path, monkeypatch, recipe, [], lambda mode, out: main(
         ["export", str(out), "--format", "dense", "--out", str(tmp_path / f"dense-{mode}")]) == 0)
-    assert (runs["all"] / "plan.json").read_text() == (runs["sequential"] / "plan.json").read_text()
+    same_plan(runs["all"] / "plan.json", runs["sequential"] / "plan.json")
     a, b = (json.loads((runs[m] / "metrics.json").read_text()) for m in ("all", "sequential"))
     assert a["evaluation"]["pruned"] == pytest.approx(b["evaluation"]["pruned"], rel=1e-9)
     assert a["evaluation"]["base"] == b["evaluation"]["base"]
@@ -396,8 +409,10 @@ def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path
     for spill in (None, tmp_path / "spill"):
         lazy = lazy_model(assets.resolve(name))
         lazy.spill = spill
-        on_layer = lambda layer: seen.append(sorted(p.name for p in (spill or tmp_path).rglob("*.bin")))  # noqa: E731
-        stats = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4, on_layer=on_layer)
+        def finish(layer, sums, residual):  # a probe while the pass runs: which files exist
+            seen.append(sorted(p.name for p in (spill or tmp_path).rglob("*.bin")))
+            return sums
+        stats = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4, finish=finish)
         comp = refit_one_pass(lazy.model, {0: [1], 1: [0, 2]}, batch, SinkSpec("first"), tok, lazy, ridge=0.1,
                               batch_size=4)
         grad = gradient_layerwise(lazy.model, batch, tok, lazy, batch_size=4)

@@ -10,7 +10,7 @@ from pruner.api.calls import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
-from pruner.runs import comparison, pipeline, provenance, report
+from pruner.runs import comparison, compensating, pipeline, provenance, report
 from pruner.runs import folders as runs
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
@@ -44,7 +44,7 @@ def apply(model, plan: Plan, compensation: str = "refit", mode: str = "mask", ri
         if (geom.n_layers, geom.n_heads) != (plan.geometry.n_layers, plan.geometry.n_heads):
             raise ValueError(f"the plan is for {plan.geometry.n_layers} layers x {plan.geometry.n_heads} heads; "
                              f"this model has {geom.n_layers} x {geom.n_heads}")
-    comp = pipeline.compensation(model, plan.heads, spec, plan.calibration)
+    comp = compensating.compensation(model, plan.heads, spec, plan.calibration)
     pipeline.apply(model, plan.heads, comp, spec.mode)
     return model
 

@@ -57,6 +57,8 @@ class CaptureConfig:
     metrics: tuple[str, ...] = ("cosine", "js")
     dormant_threshold: float = 0.9
     outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
+    joint: bool = True  # the joint second moment of all heads' outputs (refit, the refit-aware and sink-aware
+    #                     scorers read it); False: each head's own second moment only
     folds: int = 0  # also the output moments per fold of whole samples (cross-validating refit's ridge)
     channels: bool = False  # also each head's sink- and content-channel second moments (uu, ww; the scorer
     #                         studies read them, no shipped scorer or compensation does: not kept by default)
@@ -70,8 +72,8 @@ class CaptureConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.across_layers and self.outputs:
             raise ValueError("across_layers and outputs cannot be captured together")
-        if self.folds and (self.folds < 2 or not self.outputs):
-            raise ValueError(f"folds must be 0 or >= 2, with outputs=True (got {self.folds})")
+        if self.folds and (self.folds < 2 or not self.outputs or not self.joint):
+            raise ValueError(f"folds must be 0 or >= 2, with outputs=True and joint=True (got {self.folds})")
         if self.outputs and not self.fused:
             raise ValueError("output moments are computed by the fused attention (fused=True)")
         if self.moments not in ("float64", "float32"):
@@ -257,7 +259,8 @@ class Capture:
             folds = None if self._batch.folds is None else \
                 moments.fold_moments(out, rows, self._batch.folds, self.config.folds, bf16)
             total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, bf16, folds,
-                                                                        self.config.channels), folds=folds)
+                                                                        self.config.channels, self.config.joint),
+                                        folds=folds)
         layer = module.layer_idx
         self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
         return out

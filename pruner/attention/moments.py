@@ -23,7 +23,8 @@ class OutputMoments:
     `joint` is the second moment of all heads' outputs together, so the energy of
     pruning several heads of a layer at once (their cross terms) is exact too.
     Shapes: tokens (); o, u, w: (head, d_head); oo, uu, ww: (head, d_head, d_head) -- uu and ww
-    empty (0,) unless captured with `CaptureConfig(channels=True)`; joint: (head * d_head, head * d_head).
+    empty (0,) unless captured with `CaptureConfig(channels=True)`; joint: (head * d_head, head * d_head),
+    empty (0,) when captured with `CaptureConfig(joint=False)` (no stage reads it).
     """
 
     tokens: Tensor
@@ -40,6 +41,16 @@ class OutputMoments:
 
     def to(self, device, non_blocking: bool = False) -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
+
+    @property
+    def has_joint(self) -> bool:
+        return bool(self.joint.numel())
+
+    def first_moments(self) -> "OutputMoments":
+        """The token count and the sums of o, u and w alone (second moments empty): what the stages after selection
+        read of a layer (mean compensation, reports) once its selection curve is built (DESIGN section 8.4)."""
+        none = self.o.new_zeros(0)
+        return OutputMoments(self.tokens, self.o, self.u, self.w, none, none, none, none)
 
 
 @dataclass
@@ -90,7 +101,7 @@ def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: boo
 
 
 def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
-                   folds: FoldMoments | None = None, channels: bool = True) -> OutputMoments:
+                   folds: FoldMoments | None = None, channels: bool = True, joint: bool = True) -> OutputMoments:
     """Moments of one layer's head outputs over the counted rows of a batch.
 
     o: (B, T, H, d_head) what the output projection receives (any float dtype);
@@ -105,7 +116,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     values by at most 2^-9, no more than the model rounded o itself. With `folds` (this
     batch's `fold_moments`), `joint` is their sum: no second pass over the rows. Without
     `channels`, the per-channel second moments `uu` and `ww` are not computed (empty tensors):
-    what no shipped scorer or compensation reads costs neither time nor memory.
+    what no shipped scorer or compensation reads costs neither time nor memory. Without `joint`
+    (no refit, no refit-aware or sink-aware scorer reads it) the (H d_head)^2 joint moment is an
+    empty tensor too, and each head's own `oo` is computed alone: H d_head^2 per row, not (H d_head)^2.
     """
     B, T, H, D = o.shape
     N = B * T
@@ -120,7 +133,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     xc = x.float() - ref_o  # (N, H * d_head)
     if not every:
         xc.mul_(r)
-    if folds is None:
+    if folds is not None and not joint:
+        raise ValueError("fold moments are joint moments: output_moments(folds=...) needs joint=True")
+    if folds is None and joint:
         with matmul_precision(bf16):
             joint_c = gram(xc, H)
     per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
@@ -137,8 +152,13 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
             return out.addr_(r, t).addr_(t, r)
         return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
 
-    joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
-    oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+    if joint:
+        joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
+        oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+    else:  # each head's own block only, from the same centred float32 values
+        with matmul_precision(bf16):
+            oo = uncentre(head_grams(xc.view(N, H, D)), o_sum, ref_o.view(H, D))
+        joint = torch.zeros(0, dtype=torch.float64, device=oo.device)
     if not channels:  # the channels' centred copies are never made
         none = torch.zeros(0, dtype=torch.float64, device=joint.device)
         return OutputMoments(n, o_sum, u_sum, w_sum, oo, none, none.clone(), joint)
@@ -148,6 +168,17 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
     return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc.view(N, H, D)), u_sum, ref_u.view(H, D)),
                          uncentre(per_head(wc), w_sum, (ref_o - ref_u).view(H, D)), joint)
+
+
+def head_grams(x: Tensor, rows: int = 512) -> Tensor:
+    """Each head's x_h^T x_h for x (N, H, d): (H, d, d), float32, summed over blocks of `rows` rows in order
+    (as `gram`, so that the result does not depend on how many threads the product is split over)."""
+    N, H, D = x.shape
+    out = x.new_zeros(H, D, D)
+    for r0 in range(0, N, rows):
+        xr = x[r0:r0 + rows].transpose(0, 1)  # (H, rows, d)
+        out.baddbmm_(xr.transpose(1, 2), xr)
+    return out
 
 
 def gram(x: Tensor, heads: int, rows: int = 512) -> Tensor:

@@ -28,11 +28,13 @@ from pruner.core.layerwise import Onloader, first_block_calls, run_blocks, spill
 def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
                       onloader: Onloader, device: str | torch.device = "cpu", batch_size: int = 8,
                       progress: bool = False, storage: str | torch.device = "cpu",
-                      on_layer: Callable[[int], None] | None = None,
+                      finish: Callable[[int, LayerStats, torch.Tensor], LayerStats] | None = None,
                       rerun: Callable[[int, LayerStats], AbstractContextManager | None] | None = None
                       ) -> HeadStats | None:
-    """`capture_stats` with one block resident at a time (see the module docstring). `on_layer(layer)` runs
-    while the layer's block is still in memory (what a caller reads off its weights). `rerun(layer, sums)`,
+    """`capture_stats` with one block resident at a time (see the module docstring). `finish(layer, sums, r)`,
+    on rank 0 once the layer's sums are totals over every process and while its block is still in memory,
+    returns what is kept of them (what a caller computes from a layer's whole sums and its weights, and then
+    drops: `pruner.pruning.per_layer`); `r` is the layer's mean squared residual norm. `rerun(layer, sums)`,
     given the layer's finished sums (over every process), may return a context -- the block pruned and
     compensated, say -- in which the layer's batches run again, uncaptured, for the next block to see
     (`pruner.core.layerwise.run_blocks`); the sums are then the caller's: they are not kept, and nothing
@@ -62,14 +64,13 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
 
         def after_layer(layer: int) -> None:
             cap.use_batch(None)
-            if on_layer is not None:
-                on_layer(layer)
             if layer in cap.layers:  # only this layer's sums stay where the block computed them
                 cap.layers[layer] = _to_host(cap.layers[layer], device)
-            if rerun is None and reduce_now:  # reduced as it finishes: rank 0 alone keeps it, as stored
+            if rerun is None and (reduce_now or finish is not None):  # reduced as it finishes: rank 0 alone keeps it
                 total = distributed.reduce_tree(cap.layers.pop(layer), to_root=True)
+                r = None if finish is None else _residual(views, layer)
                 if total is not None:
-                    cap.layers[layer] = total.stored(config.moments)
+                    cap.layers[layer] = (total if finish is None else finish(layer, total, r)).stored(config.moments)
                 cap.reduced.add(layer)
 
         def again(layer: int) -> AbstractContextManager | None:
@@ -83,6 +84,14 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     if bar is not None:
         bar.close()
     return None if rerun is not None else cap.result()
+
+
+def _residual(views: list, layer: int) -> torch.Tensor | None:
+    """The mean squared norm of the residual stream entering `layer` over every process's real tokens (on rank 0;
+    None elsewhere): what the scorers divide a layer's costs by."""
+    mine = torch.stack([sum(v.residual[layer] for v in views), sum(v.mask2d.sum().double().cpu() for v in views)])
+    total = distributed.reduce_tree(mine, to_root=True)
+    return None if total is None else total[0] / total[1]
 
 
 def _to_host(sums: LayerStats, device: torch.device) -> LayerStats:

@@ -69,6 +69,11 @@ class LayerStats:
         folds = None if self.folds is None else replace(self.folds, joint=self.folds.joint.to(cast))
         return replace(self, outputs=outputs, folds=folds)
 
+    def first_moments(self) -> "LayerStats":
+        """The same sums with the head outputs' second moments and the folds dropped: what is kept of a finished
+        layer once its selection curves are built (`OutputMoments.first_moments`)."""
+        return replace(self, outputs=None if self.outputs is None else self.outputs.first_moments(), folds=None)
+
     def to(self, device, non_blocking: bool = False) -> "LayerStats":
         """The same sums on `device` (layers of a device_map model live on different devices). `non_blocking`
         from a GPU to the CPU: page-locked destinations filled asynchronously -- the caller synchronizes once
@@ -100,6 +105,19 @@ class HeadStats:
     folds: list[FoldMoments] | None = None  # per layer, the output sums per calibration fold (ridge `auto`)
     residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
     model_pairs: dict[str, Tensor] | None = None  # (layer * head, layer * head), layer-major; see unstack_layers
+
+    def layer(self, index: int) -> "HeadStats":
+        """Layer `index` alone, as a one-layer HeadStats (every per-layer field sliced, not copied)."""
+        cut = slice(index, index + 1)
+        per = lambda x: None if x is None else x[cut]  # noqa: E731
+        one = lambda xs: None if xs is None else [xs[index]]  # noqa: E731
+        return HeadStats(
+            sink_mass=self.sink_mass[cut], entropy_full=self.entropy_full[cut],
+            entropy_content=self.entropy_content[cut], dormancy=self.dormancy[cut], g=self.g[cut],
+            rest=self.rest[cut], h_content_weighted=self.h_content_weighted[cut], rows=self.rows[cut],
+            content_rows=self.content_rows[cut], excluded_rows=self.excluded_rows[cut],
+            pairs={k: v[cut] for k, v in self.pairs.items()}, outputs=one(self.outputs), folds=one(self.folds),
+            residual=per(self.residual))
 
 
 def finalize(layers: list[LayerStats]) -> HeadStats:

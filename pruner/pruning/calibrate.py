@@ -12,70 +12,23 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from pruner.attention import moments
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec
-from pruner.core import arch, distributed, precision, resume
+from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch, mask_tokens
 from pruner.core.runtime import attends_causally, forward
 from pruner.pruning.ablation import Ablations, single_head_ablations, subset
 from pruner.pruning.compensation import compensate
+from pruner.pruning.per_layer import (  # noqa: F401  (PRICING_RIDGE: re-exported)
+    PRICING_RIDGE,
+    CurveRequest,
+    LayerFinisher,
+    diagonal_blocks,
+    layer_grams,
+    pricing_ridge,
+    weight_norms,
+)
 from pruner.pruning.scoring import ScoringInputs, cross_energy
-
-
-def diagonal_blocks(grams: torch.Tensor, g: arch.Geometry) -> torch.Tensor:
-    """Each head's own W_O,h^T W_O,h from the layers' whole grams: (layer, head, d_head, d_head), float64."""
-    L, H, D = g.n_layers, g.n_heads, g.head_dim
-    return torch.diagonal(grams.view(L, H, D, H, D), dim1=1, dim2=3).permute(0, 3, 1, 2).double().contiguous()
-
-
-def layer_grams(model) -> torch.Tensor:
-    """W_O^T W_O of each layer's whole output projection: (layer, H*d_head, H*d_head), float32.
-
-    Products in float32 (bfloat16 weights: on bfloat16 / TF32 units, exact products), summed
-    in a fixed order (`stats.gram`): float64 products cost d_model x (H*d_head)^2 per
-    layer, seconds for a 1B model, for a precision (~1e-7) no score needs. Kept in float32, the
-    precision they were computed in (half the bytes: 8.6 GiB for a 70B model's 80 layers, not 17),
-    and cast to float64 exactly where a score reads them. Computed where each layer's weights
-    live, returned on the CPU beside the captured statistics.
-    """
-    g = arch.geometry(model)
-    grams = None
-    for layer in range(g.n_layers):  # filled in place: no second copy from a stack
-        grams = layer_gram(model, layer, grams)
-    return grams
-
-
-def layer_gram(model, layer: int, into: torch.Tensor | None = None) -> torch.Tensor:
-    """`layer_grams` of one layer (its block must be in memory), written to `into[layer]` (allocated on
-    the first call: (layer, H*d_head, H*d_head), float32, on the CPU); returns `into`."""
-    w = arch.o_weight_cols(model, layer).detach()  # (d_model, H*d_head)
-    with precision.matmul_precision(w.dtype == torch.bfloat16):
-        gram = moments.gram(w.float(), arch.geometry(model).n_heads)
-    if into is None:
-        into = torch.empty((arch.geometry(model).n_layers, *gram.shape), dtype=torch.float32)
-    into[layer] = gram.cpu()
-    return into
-
-
-def weight_norms(model) -> torch.Tensor:
-    """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly). (layer, head)
-
-    On the CPU, whatever device the model is on (scores live beside the captured statistics)."""
-    return torch.stack([weight_norm(model, layer) for layer in range(arch.geometry(model).n_layers)])
-
-
-def weight_norm(model, layer: int) -> torch.Tensor:
-    """`weight_norms` of one layer (its block must be in memory): (head,), on the CPU."""
-    g = arch.geometry(model)
-    sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
-    q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
-    o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
-    per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
-    q_sq = per_head(sq(q), g.n_heads)
-    kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
-    o_sq = per_head(sq(o.t()), g.n_heads)
-    return (q_sq + kv_sq + o_sq).sqrt().cpu()
 
 
 def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -180,13 +133,11 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
-PRICING_RIDGE = 1e-3  # the refit-aware scorer's ridge when refit's own is cross-validated ("auto")
-
-
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
               batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float | str = 1e-3,
-              checkpoints: resume.Checkpoints = resume.NONE, ablation: tuple[str, int] | None = None) -> ScoringInputs:
+              checkpoints: resume.Checkpoints = resume.NONE, ablation: tuple[str, int] | None = None,
+              curves: CurveRequest | None = None) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
     `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it
@@ -194,6 +145,11 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     `ablation` = (compensation, samples): also measure every head removed alone on the first
     `samples` calibration samples (`pruner.pruning.ablation`, the `ablation` scorer).
     With `checkpoints` both passes save their sums now and then and resume from them.
+
+    With `curves`, the selection curves asked for are built a layer at a time (each layer's W_O^T W_O formed,
+    used and dropped: `pruner.pruning.per_layer`) and the inputs keep the captured statistics, not the
+    weight-derived matrices; without, every layer's W_O^T W_O and cross energy are kept, so that any scorer
+    can select from the inputs later (the studies').
     """
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
@@ -210,14 +166,21 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
     measured = None if ablation is None else _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress)
+    increase = None if measured is None else measured.increase
+    costs = {} if measured is None else {"ablation": measured.cost()}
+    if curves is not None:
+        finisher = LayerFinisher(model, curves, seed=seed, ridge=ridge)
+        for layer in range(arch.geometry(model).n_layers):
+            finisher.add(layer, stats.layer(layer))
+        return finisher.inputs(stats, grad, increase, costs)
     grams = layer_grams(model)
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
+    joint = stats.outputs[0].has_joint
     return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, arch.geometry(model)),
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
-                         cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=intercept,
-                         ridge=PRICING_RIDGE if ridge == "auto" else ridge,
-                         ablation=None if measured is None else measured.increase,
-                         costs={} if measured is None else {"ablation": measured.cost()})
+                         cross=cross_energy(stats.outputs, grams) if joint else None,
+                         layer_gram=grams if joint else None, intercept=intercept, ridge=pricing_ridge(ridge),
+                         ablation=increase, costs=costs)
 
 
 def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: tuple[str, int], ridge, seed: int,

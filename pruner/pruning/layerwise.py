@@ -22,54 +22,34 @@ from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
 from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks, spilled
 from pruner.core.runtime import attends_causally, forward
-from pruner.pruning.calibrate import (
-    PRICING_RIDGE,
-    diagonal_blocks,
-    example_losses,
-    for_mask_gradients,
-    layer_gram,
-    mlm_masks,
-    weight_norm,
-)
+from pruner.pruning.calibrate import example_losses, for_mask_gradients, mlm_masks
 from pruner.pruning.compensation import choose_layer_ridge, diagnostics, refit_layer
-from pruner.pruning.scoring import ScoringInputs, cross_energy
+from pruner.pruning.per_layer import CurveRequest, LayerFinisher
+from pruner.pruning.scoring import ScoringInputs
 from pruner.pruning.surgery import Compensation, masked
 
 
 def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
-                        onloader: Onloader, *, device="cpu", batch_size: int = 8, seed: int = 0,
+                        onloader: Onloader, *, request: CurveRequest, device="cpu", batch_size: int = 8, seed: int = 0,
                         progress: bool = False, ridge: float | str = 1e-3, gradient: bool = False,
                         ablation=None) -> ScoringInputs | None:
-    """`calibrate` with one block resident at a time; see the module docstring. With several processes only
-    rank 0 keeps the sums and what is built from them (`capture_layerwise`): the others get None."""
+    """`calibrate` with one block resident at a time; see the module docstring. Each layer's curves (`request`)
+    are built, and a per-layer budget's layer compensated, the moment its sums are final (`pruner.pruning.per_layer`);
+    what is kept of its sums is their first moments. With several processes only rank 0 keeps the sums and
+    what is built from them (`capture_layerwise`): the others get None."""
     if ablation:
         raise ValueError("single-head ablations need the whole model at once: capture.onload: all, or a scorer "
                          "that reads the capture (sink-aware, refit-energy, fluctuation, output-norm, bos-sink, ...)")
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    g = arch.geometry(model)
-    grams, norms = None, [None] * g.n_layers  # grams: (layer, H*d_head, H*d_head) float32, filled in place
-    intercept = [False] * g.n_layers
-
-    def on_layer(layer: int) -> None:
-        nonlocal grams
-        if not distributed.is_main():  # what rank 0 alone keeps
-            return
-        grams, norms[layer] = layer_gram(model, layer, grams), weight_norm(model, layer)
-        intercept[layer] = arch.o_bias(model, layer) is not None
-
+    finisher = LayerFinisher(model, request, seed=seed, ridge=ridge)
     stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
-                              on_layer=on_layer)
+                              finish=finisher.finish)
     grad = None
     if gradient:
         grad = gradient_layerwise(model, batch, tokenizer, onloader, device=device, batch_size=batch_size,
                                   seed=seed, progress=progress)
-    if stats is None:
-        return None
-    return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, g), weight_norm=torch.stack(norms), seed=seed,
-                         gradient=grad,
-                         cross=cross_energy(stats.outputs, grams), layer_gram=grams, intercept=tuple(intercept),
-                         ridge=PRICING_RIDGE if ridge == "auto" else ridge)
+    return None if stats is None else finisher.inputs(stats, grad)
 
 
 def refit_one_pass(model, heads: dict[int, list[int]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
@@ -86,27 +66,59 @@ def refit_one_pass(model, heads: dict[int, list[int]], batch: TokenBatch, sinks:
     (float32 rounding apart, the same; the tests hold the fits to 1e-4 of their scale).
     `onloader` may be `pruner.core.layerwise.Resident(model, device)` for a model held in memory.
     """
+    return _refit_pass(model, [heads], batch, sinks, tokenizer, onloader, True,
+                       dict(ridge=ridge, folds=folds, chunk_size=chunk_size, device=device, batch_size=batch_size,
+                            progress=progress))[0]
+
+
+def refit_oneshot_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
+                       onloader: Onloader, *, ridge: float | str = "auto", folds: int = 4,
+                       chunk_size: int | None = None, device="cpu", batch_size: int = 8,
+                       progress: bool = False) -> list[Compensation]:
+    """One-shot refit of every plan in one layer-by-layer pass over the unpruned model, each layer's output
+    moments captured again, fitted for every plan that prunes it, and dropped (DESIGN section 8.4).
+
+    What a layer-by-layer calibration does not keep -- each layer's joint second moments and fold moments --
+    once the plan is known, at the cost of one more pass: the same fits as `compensation.compensate` on the
+    calibration's own sums (the same windows through the same blocks and kernel; the tests hold them equal).
+    Used where a plan is not known when a layer finishes (a global budget) and by `compare`.
+    """
+    return _refit_pass(model, plans, batch, sinks, tokenizer, onloader, False,
+                       dict(ridge=ridge, folds=folds, chunk_size=chunk_size, device=device, batch_size=batch_size,
+                            progress=progress))
+
+
+def _refit_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
+                onloader: Onloader, sequential: bool, opts: dict) -> list[Compensation]:
+    """Refits of `plans` from one layer-by-layer capture of the output moments: each layer's fitted from its
+    moments as captured, then -- `sequential` (one plan) -- its calls run again through the pruned, refitted block
+    for the next block to see, or -- one-shot -- the unpruned outputs passed on."""
     if len(batch) < distributed.world_size():
-        raise ValueError(f"sequential refit needs at least one calibration sample per process "
+        raise ValueError(f"a layer-by-layer refit needs at least one calibration sample per process "
                          f"({len(batch)} samples, {distributed.world_size()} processes)")
-    config = CaptureConfig(metrics=(), outputs=True, folds=folds if ridge == "auto" else 0,
-                           **({} if chunk_size is None else {"chunk_size": chunk_size}))
-    comp = Compensation("refit")
+    ridge = opts["ridge"]
+    config = CaptureConfig(metrics=(), outputs=True, folds=opts["folds"] if ridge == "auto" else 0,
+                           **({} if opts["chunk_size"] is None else {"chunk_size": opts["chunk_size"]}))
+    comps = [Compensation("refit") for _ in plans]
 
     def rerun(layer: int, sums) -> AbstractContextManager | None:
-        nonlocal comp
-        hs = heads.get(layer)
-        if not hs:
-            return None
-        choice = None if ridge != "auto" else choose_layer_ridge(model, layer, hs, sums.folds)
-        fit = refit_layer(model, layer, hs, sums.outputs.to("cpu"), ridge if choice is None else choice.ridge)
         cast = arch.o_weight_cols(model, layer).dtype  # the block is resident
-        comp = Compensation("refit", comp.bias | ({} if fit.delta_b is None else {layer: fit.delta_b.to(cast)}),
-                            comp.weight | {layer: fit.delta_w.to(cast)}, comp.fits | {layer: diagnostics(fit, choice)})
-        return masked(model, {layer: hs}, comp)
+        for i, heads in enumerate(plans):
+            hs, comp = heads.get(layer), comps[i]
+            if not hs:
+                continue
+            choice = None if ridge != "auto" else choose_layer_ridge(model, layer, hs, sums.folds)
+            fit = refit_layer(model, layer, hs, sums.outputs.to("cpu"), ridge if choice is None else choice.ridge)
+            comps[i] = Compensation("refit", comp.bias | ({} if fit.delta_b is None else {layer: fit.delta_b.to(cast)}),
+                                    comp.weight | {layer: fit.delta_w.to(cast)},
+                                    comp.fits | {layer: diagnostics(fit, choice)})
+        if not sequential or not plans[0].get(layer):
+            return None
+        return masked(model, {layer: plans[0][layer]}, comps[0])
 
-    capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress, rerun=rerun)
-    return comp
+    capture_layerwise(model, batch, sinks, tokenizer, config, onloader, opts["device"], opts["batch_size"],
+                      opts["progress"], rerun=rerun)
+    return comps
 
 
 def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, *, device="cpu", batch_size: int = 8,

@@ -27,7 +27,7 @@ class ScoringInputs:
     """Everything a scorer may read. Shapes: (layer, head) unless stated."""
 
     stats: HeadStats            # captured statistics, with output moments
-    gram: Tensor                # (layer, head, d_head, d_head): W_O,h^T W_O,h
+    gram: Tensor | None         # (layer, head, d_head, d_head): W_O,h^T W_O,h (None once the curves are built)
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
     ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
@@ -37,8 +37,29 @@ class ScoringInputs:
     intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
     ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
     costs: dict = field(default_factory=dict)  # what the measured scorers' extra passes cost ({"ablation": ...})
+    position: tuple[int, int] | None = None  # a one-layer view: (its layer, the model's layers)
+    curves: dict = field(default_factory=dict, repr=False, compare=False)  # CurveKey -> each layer's removal order
+    #   (`pruner.pruning.curves`), built layer by layer while the layer's sums were whole
+    extra: dict = field(default_factory=dict, repr=False, compare=False)  # what calibration computed for later
+    #   stages while the sums were whole (the compensation of a per-layer budget, ...)
     _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
     _costs: dict = field(default_factory=dict, repr=False, compare=False)  # refit_costs' per layer, by alive set
+
+    @property
+    def n_layers(self) -> int:
+        """The model's layers (a one-layer view knows how many the model has)."""
+        return self.position[1] if self.position is not None else int(self.stats.sink_mass.shape[0])
+
+    def layer(self, index: int) -> "ScoringInputs":
+        """Layer `index` alone: a one-layer view (slices, not copies) that scorers read as they read the whole,
+        with caches of its own. A scorer's importances of the view are the whole's row `index`: every scorer
+        prices a layer from that layer's data and per-layer scalars (`pruner.pruning.curves`)."""
+        cut = slice(index, index + 1)
+        per = lambda x: None if x is None else x[cut]  # noqa: E731
+        return ScoringInputs(stats=self.stats.layer(index), gram=per(self.gram), weight_norm=per(self.weight_norm),
+                             gradient=per(self.gradient), ablation=per(self.ablation), seed=self.seed,
+                             cross=per(self.cross), layer_gram=per(self.layer_gram), intercept=self.intercept[cut],
+                             ridge=self.ridge, costs=self.costs, position=(index, self.n_layers))
 
     def release(self) -> None:
         """Drop what `refit_systems` and `refit_costs` keep (a float64 (H d_head)^2 per layer): rebuilt if read
@@ -52,9 +73,10 @@ class ScoringInputs:
         if self.layer_gram is None:
             raise ValueError("the refit-aware scorer needs the layers' W_O^T W_O (pruner.pruning.calibrate computes it)")
         if not self._systems:
+            first = 0 if self.position is None else self.position[0]
             for layer, (m, gram, icpt) in enumerate(zip(self.stats.outputs, self.layer_gram, self.intercept)):
                 mu, s = refit.second_moment(m.o, m.joint, m.tokens, icpt)
-                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, layer))
+                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, first + layer))
         return self._systems
 
 
@@ -70,6 +92,8 @@ class Scorer:
     convention: str | None = None  # the convention a redundancy scorer compares heads under
     doc: str = ""
     reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
+    reads_joint: bool = False   # the joint second moment of the layer's head outputs (and W_O^T W_O)
+    reads_head_moments: bool = False  # each head's own output second moment and W_O,h^T W_O,h
 
     def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
         return self.fn(inputs, alive, convention or self.convention)
@@ -283,15 +307,17 @@ def _gradient(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
 
 
 def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Seeded uniform importances of every head of the model (a one-layer view takes its layer's row)."""
     g = torch.Generator().manual_seed(inputs.seed)
-    return torch.rand(alive.shape, generator=g, dtype=torch.float64)
+    scores = torch.rand((inputs.n_layers, alive.shape[1]), generator=g, dtype=torch.float64)
+    return scores if inputs.position is None else scores[inputs.position[0]:inputs.position[0] + 1]
 
 
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
-    Scorer("sink-aware", _sink_aware, adaptive=True,
+    Scorer("sink-aware", _sink_aware, adaptive=True, reads_joint=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
                "relative to the residual stream", reads="sink and content channels separated (no convention)"),
-    Scorer("refit-energy", _refit_energy, adaptive=True, needs_systems=True,
+    Scorer("refit-energy", _refit_energy, adaptive=True, needs_systems=True, reads_joint=True,
            doc="what refit compensation cannot rebuild if the head goes next (Schur-complement energy), "
                "relative to the residual stream", reads="head outputs (no attention rows)"),
     Scorer("cosine", _redundancy, adaptive=True, convention=cp.FULL,
@@ -302,11 +328,11 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("gradient", _gradient, needs_gradient=True, doc="Michel et al. 2019: E|dL/d mask_h|",
            reads="loss gradients (no attention rows)"),
     Scorer("magnitude", _magnitude, doc="norm of the head's q/k/v/o weight slices", reads="weights (no attention rows)"),
-    Scorer("fluctuation", _flap, doc="FLAP (An et al. 2024): output-channel variance x column norm",
+    Scorer("fluctuation", _flap, reads_head_moments=True, doc="FLAP (An et al. 2024): output-channel variance x column norm",
            reads="head outputs (no attention rows)"),
     Scorer("bos-sink", _bos_sink, doc="Sok et al. 2026: mean attention to the sink (BOS), highest pruned first",
            reads="sink mass"),
-    Scorer("output-norm", _output_norm, doc="Sandoval-Segura et al. 2025: mean squared norm of the head's output "
+    Scorer("output-norm", _output_norm, reads_head_moments=True, doc="Sandoval-Segura et al. 2025: mean squared norm of the head's output "
            "after W_O, lowest pruned first", reads="head outputs (no attention rows)"),
     Scorer("ablation", _ablation, needs_ablation=True, doc="measured: calibration-loss increase when the head "
            "alone is removed with the run's compensation", reads="the loss (L x H extra passes)"),

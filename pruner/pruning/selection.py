@@ -17,6 +17,7 @@ import torch
 
 from pruner.attention import composition as cp
 from pruner.core.arch import Geometry
+from pruner.pruning.curves import CurveKey, Removal, layer_curve, merge
 from pruner.pruning.scoring import Scorer, ScoringInputs
 
 GQA_MODES = ("equal", "group")
@@ -153,33 +154,6 @@ class Plan:
         return f"Plan({self.scorer}{conv}: {len(self.entries)}{total} heads; per layer {{{per_layer}}}{sens})"
 
 
-def _units(alive: torch.Tensor, scores: torch.Tensor, geom: Geometry, cfg: SelectionConfig,
-           layer_quota: list[int] | None) -> list[tuple[float, int, list[int]]]:
-    """Candidate removals: (mean score, layer, heads), each keeping every constraint."""
-    units = []
-    gs = geom.group_size
-    for layer in range(geom.n_layers):
-        heads = alive[layer].nonzero().flatten().tolist()
-        if gs == 1:
-            cands = [[h] for h in heads]
-        elif cfg.gqa == "group":
-            groups = sorted({h // gs for h in heads})
-            cands = [[h for h in heads if h // gs == k] for k in groups]
-        else:  # one head from every kept group: the lowest-scored one in each
-            groups = sorted({h // gs for h in heads})
-            pick = [min((h for h in heads if h // gs == k), key=lambda h: (scores[layer, h].item(), h))
-                    for k in groups]
-            # a group left with one head cannot lose it without emptying the group
-            cands = [pick] if all(sum(1 for h in heads if h // gs == k) > 1 for k in groups) else []
-        for c in cands:
-            if len(heads) - len(c) < cfg.min_heads_per_layer:
-                continue
-            if layer_quota is not None and layer_quota[layer] < len(c):
-                continue
-            units.append((scores[layer, c].mean().item(), layer, c))
-    return units
-
-
 def check_target(geom: Geometry, cfg: SelectionConfig) -> tuple[int, list[int] | None]:
     """The number of heads to prune (and per-layer quotas), or a SelectionError saying why not.
 
@@ -207,46 +181,52 @@ def check_target(geom: Geometry, cfg: SelectionConfig) -> tuple[int, list[int] |
     return target, [per + (1 if layer < target - per * geom.n_layers else 0) for layer in range(geom.n_layers)]
 
 
+def curve_key(scorer: Scorer, geom: Geometry, cfg: SelectionConfig, convention: str | None = None) -> CurveKey:
+    """What `scorer`'s curves depend on under `cfg` (the GQA mode only where layers have KV groups)."""
+    return CurveKey(scorer.name, convention or scorer.convention, cfg.gqa if geom.group_size > 1 else "equal",
+                    cfg.min_heads_per_layer)
+
+
+def layer_curve_of(scorer: Scorer, one: ScoringInputs, geom: Geometry, key: CurveKey) -> tuple[Removal, ...]:
+    """One layer's curve (`pruner.pruning.curves.layer_curve`) from its one-layer inputs (`ScoringInputs.layer`, or
+    what a layer-by-layer calibration builds the moment the layer's sums are final). A removed head's twin is
+    its nearest surviving neighbour by cosine, under the scorer's convention or CONTENT."""
+    sim = one.stats.pairs.get(f"cosine/{key.convention or cp.CONTENT}")
+    return layer_curve(lambda alive: scorer(one, alive[None], key.convention)[0], scorer.adaptive, geom.n_heads,
+                       geom.group_size, key.gqa, key.min_heads, None if sim is None else sim[0],
+                       one.stats.sink_mass[0])
+
+
+def curves_for(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, key: CurveKey) -> list[tuple[Removal, ...]]:
+    """Every layer's curve: the one calibration built while the layer's sums were whole, or built now from the
+    inputs' layers -- which needs what the scorer reads still to be there."""
+    if key in inputs.curves:
+        return inputs.curves[key]
+    if inputs.gram is None and (scorer.reads_joint or scorer.reads_head_moments):
+        raise SelectionError(f"the {scorer.name} scorer's selection curves (GQA {key.gqa}, at least {key.min_heads} "
+                             "heads per layer) were not built during calibration, and the per-layer sums it reads "
+                             "were dropped once the asked-for curves were: calibrate with it asked for (`pruner "
+                             "compare --scorers ...` builds every compared scorer's)")
+    return [layer_curve_of(scorer, inputs.layer(layer), geom, key) for layer in range(geom.n_layers)]
+
+
 def select(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig,
            convention: str | None = None) -> Plan:
-    """Greedy selection of heads to prune; returns the plan in removal order."""
+    """Greedy selection of heads to prune; returns the plan in removal order.
+
+    The greedy over every layer at once -- remove the lowest-scored unit anywhere, re-score, repeat -- is the
+    merge of each layer's own greedy order (`pruner.pruning.curves`): the same plan, from curves that can be
+    built one layer at a time.
+    """
     target, quota = check_target(geom, cfg)
-    alive = torch.ones(geom.n_layers, geom.n_heads, dtype=torch.bool)
-    conv = convention or scorer.convention
-    scores = scorer(inputs, alive, conv).to(torch.float64)
+    key = curve_key(scorer, geom, cfg, convention)
     entries: list[PlanEntry] = []
-    while len(entries) < target:
-        units = [u for u in _units(alive, scores, geom, cfg, quota) if len(entries) + len(u[2]) <= target]
-        if not units:
-            break
-        score, layer, heads = min(units, key=lambda u: (u[0], u[1], u[2]))
-        for h in heads:
-            twin, sim = _twin(inputs, alive, layer, h, conv)
-            entries.append(PlanEntry(layer, h, len(entries), float(scores[layer, h]), twin, sim,
-                                     float(inputs.stats.sink_mass[layer, h])))
-            alive[layer, h] = False
-        if quota is not None:
-            quota[layer] -= len(heads)
-        if scorer.adaptive:
-            scores = scorer(inputs, alive, conv).to(torch.float64)
+    for layer, step in merge(curves_for(scorer, inputs, geom, key), target, quota):
+        for head, score, twin, sim, sink in step.entries:
+            entries.append(PlanEntry(layer, head, len(entries), score, twin, sim, sink))
     if not entries:
         raise SelectionError("no head could be selected under the constraints")
-    return Plan(scorer.name, conv if scorer.adaptive else None, target, entries)
-
-
-def _twin(inputs: ScoringInputs, alive: torch.Tensor, layer: int, head: int, convention: str | None):
-    """The head's nearest surviving neighbour (cosine, the scorer's convention or CONTENT)."""
-    sim = inputs.stats.pairs.get(f"cosine/{convention or cp.CONTENT}")
-    if sim is None:
-        return None, None
-    row = sim[layer, head].clone()
-    mask = alive[layer].clone()
-    mask[head] = False
-    if not mask.any():
-        return None, None
-    row[~mask] = float("-inf")
-    j = int(row.argmax())
-    return j, float(row[j])
+    return Plan(scorer.name, key.convention if scorer.adaptive else None, target, entries)
 
 
 @dataclass(frozen=True)

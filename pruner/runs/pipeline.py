@@ -15,61 +15,63 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 
-from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.attention.capture import CaptureConfig
 from pruner.checkpoints import layout as forms
 from pruner.checkpoints import streamed
 from pruner.core import arch, distributed
-from pruner.core.layerwise import Resident
 from pruner.evaluation import bench
 from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
 from pruner.pruning import refit, surgery
 from pruner.pruning.calibrate import calibrate
-from pruner.pruning.compensation import compensate, refit_sequential
-from pruner.pruning.layerwise import calibrate_layerwise, refit_one_pass
-from pruner.pruning.scoring import ScoringInputs, get_scorer
+from pruner.pruning.layerwise import calibrate_layerwise
+from pruner.pruning.per_layer import CurveRequest
+from pruner.pruning.scoring import Scorer, ScoringInputs, get_scorer
 from pruner.pruning.selection import (
     Plan,
     SelectionConfig,
     SelectionError,
     check_target,
     convention_sensitivity,
+    curve_key,
     select,
     shape_note,
 )
-from pruner.runs import resources
+from pruner.runs import compensating, resources
 from pruner.runs.context import Session, check_layerwise, resident
-from pruner.runs.recipe import Recipe, SurgerySpec
+from pruner.runs.recipe import Recipe
 
 
-def scoring_inputs(session: Session, gradient: bool, progress: bool = True, ablation: bool = False,
-                   systems: bool = False) -> ScoringInputs:
+def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveRequest, kinds: list[str],
+                   progress: bool = True) -> ScoringInputs:
     """The calibration pass (capture, the gradient pass and the single-head ablations when a scorer needs
-    them), after checking that its estimated peak memory fits (`pruner.runs.resources`). The ablations
-    remove each head with the recipe's compensation (surgery.compensation), on scorer.ablation_samples."""
+    them), after checking that its estimated peak memory fits (`pruner.runs.resources`), with the curves
+    `request` asks for built layer by layer. It accumulates only what a stage will read
+    (`compensating.capture_reads`): the joint output moments and the fold moments only for `scorers` and the
+    compensation `kinds` that read them. The ablations remove each head with the recipe's compensation
+    (surgery.compensation), on scorer.ablation_samples."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
-    folds = r.surgery.folds if r.surgery.ridge == "auto" else 0  # cross-validating refit's ridge
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, folds=folds,
+    layerwise = session.onloader is not None
+    joint, folds = compensating.capture_reads(scorers, kinds, r.surgery, layerwise, bool(request.local))
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, joint=joint, folds=folds,
                         moments=r.capture.moments)
-    if session.onloader is not None:  # one block resident at a time
-        check_layerwise(session, resources.Sizes(  # systems: the refit-aware scorer's, kept while it selects
-            batch_size=min(r.calibration.batch_size, len(session.calibration)),
-            length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
-            pair_metrics=len(metrics), outputs=True, folds=folds, moments=r.capture.moments, gradient=gradient),
-            systems)
+    gradient, ablation = any(s.needs_gradient for s in scorers), any(s.needs_ablation for s in scorers)
+    sizes = resources.Sizes(batch_size=min(r.calibration.batch_size, len(session.calibration)),
+                            length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
+                            pair_metrics=len(metrics), outputs=True, joint=joint, folds=folds,
+                            moments=r.capture.moments, gradient=gradient)
+    if layerwise:  # one block resident at a time
+        check_layerwise(session, sizes, any(s.needs_systems for s in scorers))
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
-                                   session.onloader, device=session.onloader.device,
+                                   session.onloader, request=request, device=session.onloader.device,
                                    batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,
                                    ridge=r.surgery.ridge, gradient=gradient, ablation=ablation)
     if r.capture.memory_check:
-        resources.check_memory(session.model, resources.Sizes(
-            batch_size=min(r.calibration.batch_size, len(session.calibration)),
-            length=session.calibration.input_ids.shape[1],
-            chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, gradient=gradient, folds=folds))
+        resources.check_memory(session.model, sizes)
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
-                     ablation=(r.surgery.compensation, r.scorer.ablation_samples) if ablation else None)
+                     ablation=(r.surgery.compensation, r.scorer.ablation_samples) if ablation else None, curves=request)
 
 
 def stage(session: Session, name: str, compute):
@@ -119,16 +121,19 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     The plan carries its calibration (for compensation) and its convention
     sensitivity: for a redundancy scorer, how many selected heads change under the
     other convention; for any other scorer, the same figure for the naive cosine
-    plan at the same target, labelled as such.
+    plan at the same target, labelled as such (their curves read only the cosine pair matrices, which every
+    calibration keeps). Layer by layer, a per-layer budget's refit is computed as each layer finishes.
     """
     recipe = session.recipe
     scorer = get_scorer(recipe.scorer.name)
     geom = arch.geometry(session.model)
     cfg = selection_config(recipe, session.model)
-    check_target(geom, cfg)  # an impossible target fails before any calibration compute
+    _, quota = check_target(geom, cfg)  # an impossible target fails before any calibration compute
     if inputs is None:
-        inputs = scoring_inputs(session, gradient=scorer.needs_gradient, progress=progress,
-                                ablation=scorer.needs_ablation, systems=scorer.needs_systems)
+        key = curve_key(scorer, geom, cfg, recipe.scorer.convention)
+        local = compensating.local_compensation(quota, key, recipe.surgery, session.onloader is not None)
+        inputs = scoring_inputs(session, [scorer], CurveRequest((key,), local), [recipe.surgery.compensation],
+                                progress=progress)
 
     def choose() -> Plan:
         plan = select(scorer, inputs, geom, cfg, convention=recipe.scorer.convention)
@@ -151,84 +156,6 @@ def root_keeps(session: Session) -> bool:
     return session.onloader is not None and distributed.world_size() > 1
 
 
-def shared_compensation(session: Session, heads: dict[int, list[int]], spec: SurgerySpec,
-                        inputs: ScoringInputs | None) -> surgery.Compensation:
-    """`compensation` on every process: computed by each where each can (zero; a sequential refit, which
-    reduces each layer's sums as it goes), else by rank 0 from the sums it alone keeps and broadcast with
-    tensor collectives."""
-    if spec.compensation == "zero" or (spec.compensation == "refit" and spec.refit_mode == "sequential") or \
-            all(distributed.all_objects(inputs is not None)):
-        return compensation(session.model, heads, spec, inputs, session)
-    held = {}
-
-    def compute() -> surgery.Compensation:  # rank 0: the whole of it kept here, its kind and fits sent
-        held["comp"] = compensation(session.model, heads, spec, inputs, session)
-        return surgery.Compensation(held["comp"].kind, fits=held["comp"].fits)
-    comp = distributed.from_root(compute)
-    mine = held.get("comp")
-    bias = distributed.broadcast_tensors(None if mine is None else {str(k): v for k, v in mine.bias.items()})
-    weight = distributed.broadcast_tensors(None if mine is None else {str(k): v for k, v in mine.weight.items()})
-    return surgery.Compensation(comp.kind, {int(k): v for k, v in bias.items()},
-                                {int(k): v for k, v in weight.items()}, comp.fits)
-
-
-def compensation(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs | None,
-                 session: Session | None = None) -> surgery.Compensation:
-    """The `spec.compensation` of pruning `plan_heads`, from the calibration's output moments.
-
-    A sequential refit re-collects moments on the calibration samples, so it needs
-    the `session` they belong to.
-    """
-    kind = spec.compensation
-    if kind == "zero":
-        return surgery.Compensation()
-    if inputs is None and not (kind == "refit" and spec.refit_mode == "sequential" and session is not None):
-        raise ValueError(f"{kind} compensation needs the calibration statistics the plan was made from; this "
-                         "plan carries none (e.g. it was read from plan.json): make it with pruner.plan(...) on "
-                         "this model, or use compensation='zero'")
-    if kind == "refit" and spec.refit_mode == "sequential":
-        if session is None:
-            raise ValueError("sequential refit re-collects calibration moments: use pruner.prune, or "
-                             "refit_mode='oneshot' with pruner.apply")
-        r = session.recipe
-        if session.onloader is not None or not getattr(model, "hf_device_map", None):
-            # one pass, each block refitted as it is captured: read from disk, or held in memory
-            onloader = session.onloader or Resident(model, next(model.parameters()).device)
-            return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer,
-                                  onloader, ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
-                                  device=onloader.device, batch_size=r.calibration.batch_size)
-        # spread over devices (device_map): a whole-model capture per pruned layer
-        cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True,
-                            folds=spec.folds if spec.ridge == "auto" else 0)
-        last = {}
-
-        def collect():
-            last["stats"] = capture_stats(model, session.calibration, session.sinks, session.tokenizer, cfg,
-                                          batch_size=r.calibration.batch_size)
-            return last["stats"].outputs
-        return refit_sequential(model, plan_heads, collect, spec.ridge, lambda: last["stats"].folds)
-    if session is not None and session.onloader is not None:  # the blocks stay on disk (capture.onload: sequential)
-        return _compensation_layerwise(model, plan_heads, spec, inputs, session.onloader)
-    return compensate(model, plan_heads, inputs.stats.outputs, kind, spec.ridge, inputs.stats.folds)
-
-
-def _compensation_layerwise(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, inputs: ScoringInputs,
-                            onloader) -> surgery.Compensation:
-    """Mean or one-shot refit compensation with one block in memory at a time: each layer's is computed from its
-    own weights while its block is onloaded (the same function on the same numbers as with the whole model)."""
-    out = surgery.Compensation(spec.compensation)
-    for layer in sorted(k for k, v in plan_heads.items() if v):
-        onloader.onload(layer)
-        try:
-            part = compensate(model, {layer: plan_heads[layer]}, inputs.stats.outputs, spec.compensation, spec.ridge,
-                              inputs.stats.folds)
-        finally:
-            onloader.offload(layer)
-        out = surgery.Compensation(spec.compensation, out.bias | part.bias, out.weight | part.weight,
-                                   out.fits | part.fits)
-    return out
-
-
 def _block_scope(session: Session, plan_heads: dict[int, list[int]] | None, comp):
     """The per-block scoped mask of a plan for a layer-by-layer evaluation (None: the base model)."""
     if plan_heads is None:
@@ -249,22 +176,6 @@ def _window_scores(session: Session, plan_heads: dict[int, list[int]] | None = N
     with surgery.masked(session.model, plan_heads or {}, comp):
         return window_scores(session.model, session.evaluation, ev.batch_size, progress, session.causal,
                              pool=not session.causal)
-
-
-def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:
-    """metrics.json's refit section: ridge, mode and per layer the pruned and unexplained energy
-    (absolute, and relative to the residual stream's mean squared norm R_l)."""
-    if comp.kind != "refit":
-        return None
-    resid = None if inputs is None or inputs.stats.residual is None else inputs.stats.residual
-    layers = {}
-    for layer, fit in sorted(comp.fits.items()):
-        r = None if resid is None else float(resid[layer])
-        layers[str(layer)] = {**fit, "residual": r, "relative": None if r is None else fit["unexplained"] / r}
-    return {"ridge": spec.ridge, "mode": spec.refit_mode, "layers": layers,
-            **({"folds": spec.folds} if spec.ridge == "auto" else {}),
-            "unexplained": sum(v["unexplained"] for v in layers.values()),
-            "relative": None if resid is None else sum(v["relative"] for v in layers.values())}
 
 
 def apply(model, heads: dict[int, list[int]], comp: surgery.Compensation, mode: str) -> None:
@@ -331,8 +242,8 @@ def run(session: Session, progress: bool = True) -> RunResult:
     if not layerwise:
         resident(session)
     model = session.model
-    comp = shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
-    fit = refit_record(comp, recipe.surgery, plan.calibration)
+    comp = compensating.shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
+    fit = compensating.refit_record(comp, recipe.surgery, plan.calibration)
     cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
     if layerwise:  # what the sums were kept for is done: the evaluations and model/ read none of them
         plan = replace(plan, calibration=None)

@@ -62,6 +62,7 @@ class Sizes:
     chunk_size: int = 128
     pair_metrics: int = 1          # how many pair metrics (cosine, js, ...) are captured
     outputs: bool = True           # output moments (scoring, compensation)
+    joint: bool = True             # with them the joint second moment of all heads' outputs (CaptureConfig.joint)
     gradient: bool = False         # the gradient scorer's backward pass
     across_layers: bool = False    # pair matrices between all heads of the model (analyze)
     folds: int = 0                 # the output moments per calibration fold (refit's ridge `auto`)
@@ -104,7 +105,8 @@ def statistics_bytes(model, sizes: Sizes) -> int:
     if sizes.across_layers:
         L, H = 1, s["L"] * s["H"]
     pairs = 2 * sizes.pair_metrics * H * H + 16 * H  # two conventions; per-head sums
-    moments = (3 * H * D + (3 if sizes.channels else 1) * H * D * D + (H * D) ** 2) if sizes.outputs else 0
+    joint = (H * D) ** 2 if sizes.joint else 0
+    moments = (3 * H * D + (3 if sizes.channels else 1) * H * D * D + joint) if sizes.outputs else 0
     moments += sizes.folds * (1 + H * D + (H * D) ** 2)
     return 2 * L * (pairs + moments) * 8
 
@@ -115,7 +117,7 @@ def finished_bytes(model, sizes: Sizes) -> int:
     total = statistics_bytes(model, sizes) // 2
     if sizes.outputs and sizes.moments == "float32":
         s = model_shape(model)
-        total -= s["L"] * (1 + sizes.folds) * (s["H"] * s["D"]) ** 2 * 4
+        total -= s["L"] * (int(sizes.joint) + sizes.folds) * (s["H"] * s["D"]) ** 2 * 4
     return total
 
 
