@@ -47,9 +47,11 @@ CONFIGS = {
 }
 
 
-def write_checkpoint(name: str, layers: int | None, folder: Path) -> Path:
+def write_checkpoint(name: str, layers: int | None, folder: Path, shard_bytes: int | None = None) -> Path:
     """config.json + one safetensors shard per block (and one for the rest), seeded normal(0, 0.02) bfloat16
-    weights, norms 1: never more than one block in memory."""
+    weights, norms 1: never more than one block in memory. With `shard_bytes`, shards as `save_pretrained` cuts
+    them instead: tensors in the model's order, a new shard once one holds `shard_bytes` (HF's usual 2 GB:
+    several blocks to a shard, a block across two)."""
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -70,7 +72,12 @@ def write_checkpoint(name: str, layers: int | None, folder: Path) -> Path:
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
         part = key.split(".")[2] if key.startswith("model.layers.") else "rest"
+        if shard_bytes is not None:  # the running shard, by bytes
+            full = groups and sum(2 * torch.Size(s).numel() for s in list(groups.values())[-1].values()) >= shard_bytes
+            part = str(len(groups) + (1 if full or not groups else 0))
         groups.setdefault(part, {})[key] = tuple(p.shape)
+    if shard_bytes is not None:
+        groups = {f"{int(k):05d}-of-{len(groups):05d}": v for k, v in groups.items()}
     weight_map = {}
     for part, tensors in groups.items():
         shard = f"model-{part}.safetensors"

@@ -1,26 +1,33 @@
-"""`pruner prune` end to end on a model larger than half this machine's memory, never whole in memory (issue 24).
+"""`pruner prune` end to end, layer by layer, on models larger than half this machine's memory (issues 24, 33).
 
-    python eval/bench_prune_layerwise.py 8b                    # Llama-3-8B shape, 14.96 GiB in bfloat16
-    python eval/bench_prune_layerwise.py 8b --scorer sink-aware --moments float32   # the lean settings
-    python eval/bench_prune_layerwise.py 70b-width --layers 2  # the 70B width, cut to 2 blocks
+    python eval/bench_prune_layerwise.py 8b                                   # Llama-3-8B shape, default recipe
+    python eval/bench_prune_layerwise.py 8b --layers 12 --recipe lean --windows 8 --length 128
+    python eval/bench_prune_layerwise.py 8b --sweep 4,8,12,32                 # peak against depth
+    python eval/bench_prune_layerwise.py 70b-width --layers 2                 # the 70B width, cut to 2 blocks
 
-The checkpoint is the one `eval/bench_layerwise.py` writes (random bfloat16 weights from the public config, one
-safetensors shard per block; built here if missing, never held in memory), with the shipped Llama tokenizer
-copied beside it. `pruner prune` runs on it in a fresh process with `capture.onload: sequential`: calibration,
-the base's and the plan's perplexity, mean compensation, the surgery and the written model/ (with its reload
-check) all one block at a time. Printed: the process's peak resident memory (ru_maxrss of the child) against
-the model's size, wall time, and the pruned checkpoint on disk against the base. Writes
-eval/results/bench_prune_layerwise-<case>.json.
+The checkpoint is the one `eval/bench_layerwise.py` writes (random bfloat16 weights from the public config, in
+HF's usual ~2 GB shards, several blocks to a shard; built here if missing, never held in memory), with the
+shipped Llama tokenizer copied beside it. `pruner prune` runs on it in a fresh process with `capture.onload:
+sequential`: calibration, the base's and the plan's perplexity, compensation, the surgery and the written
+model/ (with its reload check) all one block at a time. Recipes: `default` -- the default scorer and
+compensation (refit-energy, refit with ridge auto over 4 folds), mode remove, the servable shape; `lean` -- the
+issue's case: sink-aware, mean compensation, mode mask.
+
+Memory is the child's anonymous resident memory (RssAnon, sampled every 10 ms from /proc: the memory-mapped
+weights are page cache, which the kernel can drop) and its peak resident set (VmHWM, page cache included),
+against the model's size on disk and against `pruner plan-memory`'s prediction of the whole run
+(`pruner.runs.memory_plan.run_plan`), above the interpreter's own RssAnon with torch, transformers and pruner
+imported (measured in a separate process). Writes eval/results/bench_prune_layerwise-<case>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,73 +35,139 @@ from bench_layerwise import write_checkpoint  # beside this script: python puts 
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RECIPE = """\
+RECIPES = {
+    "default": "scorer: {{name: refit-energy}}\nsurgery: {{mode: remove, compensation: refit, ridge: auto}}\n",
+    "lean": "scorer: {{name: sink-aware}}\nsurgery: {{mode: mask, compensation: mean}}\n",
+    "today": "scorer: {{name: refit-energy}}\nsurgery: {{mode: remove, compensation: mean, ridge: 0.1}}\n",
+}
+COMMON = """\
 model: {{path: {folder}, dtype: bfloat16}}
-capture: {{onload: sequential, metrics: [cosine], moments: {moments}}}
+capture: {{onload: sequential, metrics: [cosine]}}
 calibration: {{data: shakespeare:calibration, length: {length}, num_samples: {windows}, batch_size: 4}}
 evaluation: {{data: shakespeare:evaluation, length: {length}, num_samples: {windows}, batch_size: 4, latency: false,
              bootstrap: 200}}
 bench: {{enabled: false}}
 sinks: {{mode: first}}
-scorer: {{name: {scorer}}}
 selection: {{target: {target}, gqa: equal}}
-surgery: {{mode: remove, compensation: mean, ridge: 0.1}}
 threads: {threads}
 """
+
+
+def status(pid: int) -> dict[str, int]:
+    """RssAnon, RssFile, VmRSS and VmHWM of a process, bytes (empty once it is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def run_sampled(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run `cmd`, sampling its memory every 10 ms: the peaks of RssAnon and VmRSS, the last VmHWM seen."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peaks = {"RssAnon": 0, "VmRSS": 0, "VmHWM": 0, "RssFile": 0}
+
+    def sample():
+        while proc.poll() is None:
+            for k, v in status(proc.pid).items():
+                peaks[k] = max(peaks[k], v)
+            time.sleep(0.01)
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, err = proc.communicate()
+    t.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), peaks
+
+
+def interpreter_anon() -> int:
+    """RssAnon of a fresh interpreter with what `pruner prune` imports: not pruner's to predict."""
+    code = ("import torch, transformers, pruner.cli, pruner.runs.pipeline, pruner.runs.folders, pruner.checkpoints.lazy;"
+            "from pathlib import Path;"
+            "print([l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0])")
+    line = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(line.split()[1]) * 1024
+
+
+def predicted(recipe: Path) -> dict:
+    """`pruner plan-memory`'s prediction of the whole run (sequential, on this CPU)."""
+    from pruner.runs import memory_plan
+    from pruner.runs.recipe_io import load_recipe
+
+    plan = memory_plan.run_plan(load_recipe(recipe))
+    return {"peak": plan.peak, "stage": plan.peak_stage, "stages": {s.name: s.total for s in plan.stages}}
+
+
+def case(args, layers: int | None) -> dict:
+    folder = write_checkpoint(args.model, layers, Path(args.work) / f"{args.model}-{layers or 'all'}-2gb", 2 * 10**9)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer for the text (ids below every vocab size)
+        shutil.copyfile(ROOT / "pruner" / "assets" / "models" / "llama-shakespeare" / f, folder / f)
+    work = Path(args.work) / f"prune-{args.model}-{layers or 'all'}-{args.recipe}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    recipe = work / "recipe.yaml"
+    recipe.write_text(COMMON.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
+                                    threads=args.threads) + RECIPES[args.recipe].format())
+    t0 = time.perf_counter()
+    done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")])
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    base, pruned = size(folder), size(work / "run" / "model")
+    m = json.loads((work / "run" / "metrics.json").read_text())
+    pred = predicted(recipe)
+    interp = interpreter_anon()
+    r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
+        "num_attention_heads"], "recipe": args.recipe, "windows": args.windows, "length": args.length,
+         "threads": args.threads, "base_bytes": base, "pruned_bytes": pruned, "shards": len(list(folder.glob("*.safetensors"))),
+         "peak_anon": peaks["RssAnon"], "peak_rss": peaks["VmRSS"], "interpreter_anon": interp,
+         "anon_over_model": peaks["RssAnon"] / base, "predicted": pred,
+         "measured_over_predicted": (peaks["RssAnon"] - interp) / pred["peak"],
+         "wall_s": wall, "pruned_heads": m["pruned_heads"], "total_heads": m["total_heads"],
+         "layout": m.get("model_layout"), "evaluation": m["evaluation"], "seconds_in_run": m["seconds"]}
+    gib = lambda n: n / 2**30  # noqa: E731
+    print(f"{args.model} ({r['layers']} layers, {r['shards']} shards), recipe {args.recipe}, {args.windows} windows x "
+          f"{args.length} tokens, {args.threads} threads")
+    print(f"  base checkpoint {gib(base):.2f} GiB; pruned {m['pruned_heads']}/{m['total_heads']} heads -> "
+          f"{gib(pruned):.2f} GiB ({m.get('model_layout')})")
+    print(f"  peak anonymous memory {gib(peaks['RssAnon']):.2f} GiB ({peaks['RssAnon'] / base:.1%} of the model), "
+          f"peak RSS {gib(peaks['VmRSS']):.2f} GiB (page cache included); {wall:.0f} s")
+    print(f"  above the interpreter ({gib(interp):.2f} GiB): {gib(peaks['RssAnon'] - interp):.2f} GiB; predicted "
+          f"{gib(pred['peak']):.2f} GiB (in {pred['stage']}): measured/predicted {r['measured_over_predicted']:.2f}")
+    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{args.model}-{layers or 'all'}-{args.recipe}.json"
+    out.write_text(json.dumps(r, indent=1) + "\n")
+    print(f"wrote {out}")
+    return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=["8b", "70b-width", "1b"])
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many blocks")
+    ap.add_argument("--sweep", default=None, help="comma-separated block counts: one run each, then a table")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="default")
     ap.add_argument("--windows", type=int, default=4, help="calibration and evaluation windows")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--scorer", default="refit-energy")
-    ap.add_argument("--moments", default="float64", choices=["float64", "float32"])
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
     args = ap.parse_args()
-
-    folder = write_checkpoint(args.model, args.layers, Path(args.work) / f"{args.model}-{args.layers or 'all'}")
-    cfg = json.loads((folder / "config.json").read_text())
-    if not cfg.get("architectures"):  # written by an older bench_layerwise.py: say it is a causal LM
-        (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer for the text (ids below every vocab size)
-        shutil.copyfile(ROOT / "pruner" / "assets" / "models" / "llama-shakespeare" / f, folder / f)
-    work = Path(args.work) / f"prune-{args.model}-{args.layers or 'all'}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    recipe = work / "recipe.yaml"
-    recipe.write_text(RECIPE.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
-                                    threads=args.threads, scorer=args.scorer, moments=args.moments))
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
-                          capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if done.returncode:
-        sys.exit(done.stderr[-3000:])
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
-    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
-    base, pruned = size(folder), size(work / "run" / "model")
-    m = json.loads((work / "run" / "metrics.json").read_text())
-    r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
-        "num_attention_heads"], "windows": args.windows, "length": args.length, "threads": args.threads,
-         "scorer": args.scorer, "moments": args.moments,
-         "base_bytes": base, "pruned_bytes": pruned, "peak_rss": peak, "peak_over_model": peak / base,
-         "wall_s": wall, "pruned_heads": m["pruned_heads"], "total_heads": m["total_heads"],
-         "layout": m.get("model_layout"), "evaluation": m["evaluation"], "seconds_in_run": m["seconds"]}
-    gib = lambda n: n / 2**30  # noqa: E731
-    print(f"{args.model} ({r['layers']} layers), {args.windows} windows x {args.length} tokens, {args.threads} threads, "
-          f"scorer {args.scorer}, capture.moments {args.moments}")
-    print(f"  base checkpoint {gib(base):.2f} GiB; pruned {m['pruned_heads']}/{m['total_heads']} heads -> "
-          f"{gib(pruned):.2f} GiB ({m.get('model_layout')}, {1 - pruned / base:.1%} smaller)")
-    print(f"  pruner prune, end to end: peak RSS {gib(peak):.2f} GiB ({peak / base:.0%} of the model), "
-          f"{wall:.0f} s")
-    tag = "" if (args.scorer, args.moments) == ("refit-energy", "float64") else f"-{args.scorer}-{args.moments}"
-    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{args.model}-{args.layers or 'all'}{tag}.json"
-    out.write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {out}")
+    if args.sweep is None:
+        case(args, args.layers)
+        return
+    rows = [case(args, int(n)) for n in args.sweep.split(",")]
+    first = rows[0]["peak_anon"]
+    print("\n| layers | checkpoint | peak anonymous | of the model | vs the first | predicted | wall |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['base_bytes'] / 2**30:.2f} GiB | {r['peak_anon'] / 2**30:.2f} GiB | "
+              f"{r['anon_over_model']:.1%} | {r['peak_anon'] / first - 1:+.1%} | "
+              f"{r['predicted']['peak'] / 2**30:.2f} GiB | {r['wall_s']:.0f} s |")
 
 
 if __name__ == "__main__":

@@ -244,10 +244,17 @@ def test_a_corrupt_or_truncated_shard_is_named_before_any_work(tmp_path, capsys)
     shard.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
         check_shards(folder)
-    (tmp_path / "r.yaml").write_text(f"model: {{path: {folder}}}\nsinks: {{mode: first}}\ncapture: {{onload: sequential}}\n")
-    assert main(["prune", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "out")] + QUICK) == 2
-    err = capsys.readouterr().err
-    assert "model.safetensors: not a readable safetensors file" in err and not (tmp_path / "out").exists()
+    for onload in ("sequential", "auto", "all"):  # whichever way the model is read, the file is named first
+        (tmp_path / "r.yaml").write_text(f"model: {{path: {folder}}}\nsinks: {{mode: first}}\n"
+                                         f"capture: {{onload: {onload}}}\n")
+        assert main(["prune", str(tmp_path / "r.yaml"), "--out", str(tmp_path / "out")] + QUICK) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.safetensors: not a readable safetensors file" in err[0], onload
+        assert not (tmp_path / "out").exists()
+    header = b'{"w": 1}'  # a header that parses, but is no table of tensors
+    shard.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match=r"not a readable safetensors file \(the header is not a table"):
+        check_shards(folder)
 
 
 def test_what_needs_the_whole_model_says_so(tmp_path, capsys):
@@ -451,6 +458,16 @@ def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_p
     assert memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
     with pytest.raises(resources.ResourceError, match=r"set capture.hidden: disk \(every window's hidden states"):
         memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
+
+
+def test_a_spill_folder_that_cannot_be_made_is_named_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(tmp_path / "x"),
+                 "--set", "capture.onload=sequential", "--set", "capture.hidden=disk",
+                 "--set", f"capture.spill_dir={tmp_path / 'file' / 'sub'}"] + QUICK) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pruner: error: capture.spill_dir: cannot make the folder") and \
+        "Not a directory" in err[0] and not (tmp_path / "x").exists()
 
 
 def test_hidden_states_on_disk_need_a_layer_by_layer_pass(tmp_path, capsys):

@@ -23,13 +23,38 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written, would not reload, or does not match its config."""
 
 
+def read_header(f: Path) -> dict:
+    """`header_of(f)`'s header alone."""
+    return header_of(f)[0]
+
+
+def header_of(f: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> {"dtype", "shape", "data_offsets"}, and "__metadata__"), read
+    without reading a tensor; a file whose header does not parse -- random bytes, a truncated or foreign file --
+    is one CheckpointError naming it (its first 8 bytes would otherwise ask for a header of any size). Returns the
+    header and its length in bytes (the tensors start after 8 + that)."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        bad = [k for k, t in (header.items() if isinstance(header, dict) else []) if k != "__metadata__" and not
+               (isinstance(t, dict) and {"dtype", "shape", "data_offsets"} <= t.keys())]
+        if not isinstance(header, dict) or bad:
+            raise ValueError("the header is not a table of tensors" + (f" ({bad[0]!r})" if bad else ""))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e}); the download or copy is corrupt: "
+                              "fetch that shard again") from None
+    return header, n
+
+
 def _headers(files: list[Path]) -> dict[str, dict]:
     """Tensor name -> {"dtype", "shape", ...} from safetensors headers (no tensor is read)."""
     out = {}
     for f in files:
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        out.update({k: v for k, v in header.items() if k != "__metadata__"})
+        out.update({k: v for k, v in read_header(f).items() if k != "__metadata__"})
     return out
 
 
@@ -163,15 +188,7 @@ def check_shards(folder: Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     for f in weight_files(folder):
         size = f.stat().st_size
-        try:
-            with open(f, "rb") as fh:
-                n = struct.unpack("<Q", fh.read(8))[0]
-                if n > size - 8:
-                    raise ValueError(f"header of {n} bytes in a file of {size}")
-                header = json.loads(fh.read(n))
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{f}: not a readable safetensors file ({e}); the download or copy is corrupt: "
-                                  "fetch that shard again") from None
+        header, n = header_of(f)
         for name, t in header.items():
             if name == "__metadata__":
                 continue

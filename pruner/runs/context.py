@@ -188,7 +188,11 @@ def spill_hidden(session: Session, gradient: bool, chosen: bool = False) -> None
     folder = Path(r.capture.spill_dir) if r.capture.spill_dir is not None else Path(tempfile.gettempdir())
     slots = arch.geometry(session.model).n_layers + 2 if gradient else 2  # every block's inputs + gradients
     need = memory_plan.hidden_bytes(session.model, slots * session.calibration.input_ids.numel())
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"capture.spill_dir: cannot make the folder {folder} for capture.hidden's files "
+                         f"({e.strerror}); name a folder, or one that can be created, on a disk with room") from None
     if need > resources.free_disk(folder):
         raise resources.ResourceError(
             f"not enough disk space in {folder} for capture.hidden: disk: the hidden states need about "
