@@ -44,7 +44,7 @@ COMMON = """\
 model: {{path: {folder}, dtype: bfloat16}}
 capture: {{onload: sequential, metrics: [cosine]}}
 calibration: {{data: shakespeare:calibration, length: {length}, num_samples: {windows}, batch_size: 4}}
-evaluation: {{data: shakespeare:evaluation, length: {length}, num_samples: {windows}, batch_size: 4, latency: false,
+evaluation: {{data: shakespeare:evaluation, length: {length}, num_samples: {eval_windows}, batch_size: 4, latency: false,
              bootstrap: 200}}
 bench: {{enabled: false}}
 sinks: {{mode: first}}
@@ -111,7 +111,7 @@ def case(args, layers: int | None) -> dict:
     work.mkdir(parents=True)
     recipe = work / "recipe.yaml"
     recipe.write_text(COMMON.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
-                                    threads=args.threads) + RECIPES[args.recipe].format())
+                                    eval_windows=args.eval_windows, threads=args.threads) + RECIPES[args.recipe].format())
     t0 = time.perf_counter()
     done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")])
     wall = time.perf_counter() - t0
@@ -123,7 +123,7 @@ def case(args, layers: int | None) -> dict:
     pred = predicted(recipe)
     interp = interpreter_anon()
     r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
-        "num_attention_heads"], "recipe": args.recipe, "windows": args.windows, "length": args.length,
+        "num_attention_heads"], "recipe": args.recipe, "windows": args.windows, "eval_windows": args.eval_windows, "length": args.length,
          "threads": args.threads, "base_bytes": base, "pruned_bytes": pruned, "shards": len(list(folder.glob("*.safetensors"))),
          "peak_anon": peaks["RssAnon"], "peak_rss": peaks["VmRSS"], "interpreter_anon": interp,
          "anon_over_model": peaks["RssAnon"] / base, "predicted": pred,
@@ -151,7 +151,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many blocks")
     ap.add_argument("--sweep", default=None, help="comma-separated block counts: one run each, then a table")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="default")
-    ap.add_argument("--windows", type=int, default=4, help="calibration and evaluation windows")
+    ap.add_argument("--windows", type=int, default=16, help="calibration windows (refit at the 8B shape needs "
+                    "4096 tokens or more: the output projection's channels)")
+    ap.add_argument("--eval-windows", type=int, default=4, help="evaluation windows")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)

@@ -59,3 +59,26 @@ def test_paired_delta_and_bootstrap():
     assert n.ci_low < n.delta < n.ci_high
     with pytest.raises(ValueError, match="same windows"):
         paired_delta(base, (worse[0], c + 1))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen2"])
+def test_next_token_nll_a_slice_at_a_time_is_the_whole_logits_loss(family, monkeypatch):
+    """The NLL of each position from the head applied a slice of positions at a time (no (B, T, vocab) logits at
+    once) equals the loss of the model's own forward, padding and ignored labels included."""
+    from pruner.evaluation import perplexity as ppl
+
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (3, 17), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[2, 5] = -100
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:].clamp_min(0),
+                                             reduction="none")
+    hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    for budget in (1, 3 * 64 * 4 * 5, 1 << 30):  # one position, five, all at once
+        monkeypatch.setattr(ppl, "LOGIT_BYTES", budget)
+        got = ppl.next_token_nll(model.get_output_embeddings(), hidden, labels)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

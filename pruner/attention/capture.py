@@ -253,17 +253,25 @@ class Capture:
         keys = self._batch.layer_keys(mask, self.config.chunk_size, getattr(module, "is_causal", True),
                                       query.device)  # device_map: this layer's device
         out, u, total = st.attend(inputs, keys, self.config.metrics, self.config.dormant_threshold, self._work)
+        layer = module.layer_idx
         if self.config.outputs:
             rows = self._batch.mask2d.to(query.device)  # every real token's output, sinks included
             bf16 = query.dtype == torch.bfloat16
-            folds = None if self._batch.folds is None else \
-                moments.fold_moments(out, rows, self._batch.folds, self.config.folds, bf16)
+            running = self.layers.get(layer)
+            folds = None if self._batch.folds is None else moments.fold_moments(  # into the running sums, in place
+                out, rows, self._batch.folds, self.config.folds, bf16, None if running is None else running.folds)
             total = dataclasses.replace(total, outputs=moments.output_moments(out, u, rows, bf16, folds,
                                                                         self.config.channels, self.config.joint),
                                         folds=folds)
-        layer = module.layer_idx
-        self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+        self._accumulate(layer, total)
         return out
+
+    def _accumulate(self, layer: int, part: sums.LayerStats) -> None:
+        """A batch's sums added to the layer's running sums in place (the first batch's become them)."""
+        if layer in self.layers:
+            self.layers[layer].add_(part)
+        else:
+            self.layers[layer] = part
 
     def _observe(self, module, query, key, value, mask, scaling) -> None:
         """Statistics beside an SDPA output: received attention (auto sinks), kept q/k (across layers), or
@@ -299,8 +307,7 @@ class Capture:
             total = part if total is None else total + part
         if total is None:
             return
-        layer = module.layer_idx
-        self.layers[layer] = total if layer not in self.layers else self.layers[layer] + total
+        self._accumulate(module.layer_idx, total)
 
     def _fold_across_layers(self) -> None:
         """Stack every layer's scores on one head axis (layer-major) and fold them, chunk by chunk."""
@@ -324,7 +331,7 @@ class Capture:
             part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,
                                   self.config.dormant_threshold)
             total = part if total is None else total + part
-        self.layers[0] = total if 0 not in self.layers else self.layers[0] + total
+        self._accumulate(0, total)
         self._n_layers = len(kept)
 
     def _receive(self, z: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor) -> None:
@@ -359,7 +366,7 @@ class Capture:
                         layers[i] = s if i not in layers else layers[i] + s
             else:
                 layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
-        layers = {i: s.stored(self.config.moments) for i, s in layers.items()}
+        layers = {i: s.completed().stored(self.config.moments) for i, s in layers.items()}
         residual, tokens = self._residual, self._tokens
         if self.config.outputs and residual is not None:
             both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))

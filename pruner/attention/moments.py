@@ -39,8 +39,24 @@ class OutputMoments:
     def __add__(self, other: "OutputMoments") -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
+    def add_(self, other: "OutputMoments") -> "OutputMoments":
+        """`self += other` in place: a layer's running sums take a batch's without a third copy of either."""
+        for f in fields(self):
+            getattr(self, f.name).add_(getattr(other, f.name))
+        return self
+
     def to(self, device, non_blocking: bool = False) -> "OutputMoments":
         return OutputMoments(*(getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)))
+
+    def completed(self, folds: "FoldMoments | None") -> "OutputMoments":
+        """With fold moments captured, the joint moment is their sum and each head's `oo` its diagonal block: derived
+        here once the layer's sums are final, instead of a joint kept beside the folds for every batch."""
+        if folds is None or self.has_joint:
+            return self
+        H, D = self.o.shape
+        joint = folds.joint.sum(0)  # (H*d, H*d)
+        oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+        return OutputMoments(self.tokens, self.o, self.u, self.w, oo, self.uu, self.ww, joint)
 
     @property
     def has_joint(self) -> bool:
@@ -69,23 +85,32 @@ class FoldMoments:
     def __add__(self, other: "FoldMoments") -> "FoldMoments":
         return FoldMoments(self.tokens + other.tokens, self.o + other.o, self.joint + other.joint)
 
+    def add_(self, other: "FoldMoments") -> "FoldMoments":
+        for a, b in ((self.tokens, other.tokens), (self.o, other.o), (self.joint, other.joint)):
+            a.add_(b)
+        return self
+
     def to(self, device, non_blocking: bool = False) -> "FoldMoments":
         return FoldMoments(*(x.to(device, non_blocking=non_blocking) for x in (self.tokens, self.o, self.joint)))
 
 
-def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: bool = False) -> FoldMoments:
+def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: bool = False,
+                 into: FoldMoments | None = None) -> FoldMoments:
     """`FoldMoments` of one batch: o (B, T, H, d_head); rows (B, T) counted rows; folds (B,) each sample's fold.
 
     Each fold's rows are centred on their own mean in float32 and uncentred in float64, as
-    `output_moments` does for the whole batch; the whole batch's sums are their sum.
+    `output_moments` does for the whole batch; the whole batch's sums are their sum. With `into` (a layer's
+    running fold sums) each fold's are added to it in place and `into` is returned: no batch copy of the
+    K x (H d_head)^2 sums beside the running ones.
     """
     B, T, H, D = o.shape
     x = o.reshape(B * T, H * D)
     keep = rows.reshape(-1).bool()
     of_row = folds.to(o.device).repeat_interleave(T)  # (B * T,)
-    tokens = torch.zeros(n_folds, dtype=torch.float64, device=o.device)
-    sums = torch.zeros(n_folds, H * D, dtype=torch.float64, device=o.device)
-    joint = torch.zeros(n_folds, H * D, H * D, dtype=torch.float64, device=o.device)
+    if into is None:
+        into = FoldMoments(torch.zeros(n_folds, dtype=torch.float64, device=o.device),
+                           torch.zeros(n_folds, H * D, dtype=torch.float64, device=o.device),
+                           torch.zeros(n_folds, H * D, H * D, dtype=torch.float64, device=o.device))
     for f in range(n_folds):
         xf = x[keep & (of_row == f)].float()  # (N_f, H * d_head)
         if not len(xf):
@@ -96,8 +121,10 @@ def fold_moments(o: Tensor, rows: Tensor, folds: Tensor, n_folds: int, bf16: boo
             c = gram(xf - ref, H)
         r = ref.double()
         t = total - (n / 2) * r  # sum x x^T = sum xc xc^T + r t^T + t r^T, t = sum (x - r) + n r / 2
-        tokens[f], sums[f], joint[f] = n, total, c.double().addr_(r, t).addr_(t, r)
-    return FoldMoments(tokens, sums, joint)
+        into.tokens[f] += n
+        into.o[f] += total
+        into.joint[f] += c.double().addr_(r, t).addr_(t, r)
+    return into
 
 
 def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
@@ -113,8 +140,9 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     costs (B * T) x (H * d_head)^2, as much as the output projection itself, so it is
     computed on the upper block triangle only (`gram`); with `bf16` (a bfloat16 model)
     its products run in reduced precision (`matmul_precision`), rounding the centred
-    values by at most 2^-9, no more than the model rounded o itself. With `folds` (this
-    batch's `fold_moments`), `joint` is their sum: no second pass over the rows. Without
+    values by at most 2^-9, no more than the model rounded o itself. With `folds` (fold moments
+    captured), `joint` and `oo` are left empty: they are the folds' sum and its diagonal blocks, derived once
+    the layer's sums are final (`OutputMoments.completed`), not kept beside the folds for every batch. Without
     `channels`, the per-channel second moments `uu` and `ww` are not computed (empty tensors):
     what no shipped scorer or compensation reads costs neither time nor memory. Without `joint`
     (no refit, no refit-aware or sink-aware scorer reads it) the (H d_head)^2 joint moment is an
@@ -135,7 +163,8 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
         xc.mul_(r)
     if folds is not None and not joint:
         raise ValueError("fold moments are joint moments: output_moments(folds=...) needs joint=True")
-    if folds is None and joint:
+    from_folds = folds is not None
+    if not from_folds and joint:
         with matmul_precision(bf16):
             joint_c = gram(xc, H)
     per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
@@ -152,8 +181,10 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
             return out.addr_(r, t).addr_(t, r)
         return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
 
-    if joint:
-        joint = uncentre(joint_c, o_sum.view(-1), ref_o) if folds is None else folds.joint.sum(0)  # (H*d, H*d)
+    if from_folds:  # derived from the folds once the layer is complete
+        oo, joint = (torch.zeros(0, dtype=torch.float64, device=o.device) for _ in range(2))
+    elif joint:
+        joint = uncentre(joint_c, o_sum.view(-1), ref_o)  # (H*d, H*d)
         oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
     else:  # each head's own block only, from the same centred float32 values
         with matmul_precision(bf16):

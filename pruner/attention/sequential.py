@@ -70,11 +70,12 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
                 total = distributed.reduce_tree(cap.layers.pop(layer), to_root=True)
                 r = None if finish is None else _residual(views, layer)
                 if total is not None:
+                    total = total.completed()
                     cap.layers[layer] = (total if finish is None else finish(layer, total, r)).stored(config.moments)
                 cap.reduced.add(layer)
 
         def again(layer: int) -> AbstractContextManager | None:
-            return rerun(layer, distributed.reduce_tree(cap.layers.pop(layer)))
+            return rerun(layer, distributed.reduce_tree(cap.layers.pop(layer)).completed())
 
         with spilled(onloader) as spill:
             run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: cap.use_batch(views[i]), after_layer,

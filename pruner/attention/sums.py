@@ -59,6 +59,32 @@ class LayerStats:
         return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()},
                           outputs=add(self.outputs, other.outputs), folds=add(self.folds, other.folds))
 
+    def add_(self, other: "LayerStats") -> "LayerStats":
+        """`self += other` in place (a layer's running sums taking a batch's: no third copy of the layer's sums).
+        Folds that are already `self.folds` (accumulated in place by `moments.fold_moments(into=...)`) are not
+        added again."""
+        if self.pairs.keys() != other.pairs.keys():
+            raise ValueError("cannot merge statistics with different pairwise metrics")
+        if (self.outputs is None) != (other.outputs is None):
+            raise ValueError("cannot merge statistics with and without output moments")
+        for f in fields(self):
+            if f.name not in ("pairs", "outputs", "folds"):
+                getattr(self, f.name).add_(getattr(other, f.name))
+        for k, v in other.pairs.items():
+            self.pairs[k].add_(v)
+        if self.outputs is not None:
+            self.outputs.add_(other.outputs)
+        if other.folds is not None and other.folds is not self.folds:
+            self.folds.add_(other.folds)
+        return self
+
+    def completed(self) -> "LayerStats":
+        """The finished sums with what is derived rather than accumulated filled in (the joint moment of the head
+        outputs from the fold moments: `OutputMoments.completed`)."""
+        if self.outputs is None or self.folds is None:
+            return self
+        return replace(self, outputs=self.outputs.completed(self.folds))
+
     def stored(self, dtype: str) -> "LayerStats":
         """The finished sums as kept: the joint second moments (and the folds') in `dtype` ("float64" or
         "float32", `CaptureConfig.moments`); every other sum stays float64."""

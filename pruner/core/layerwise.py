@@ -151,6 +151,31 @@ class Spill:
         return view
 
 
+def file_backed(x: torch.Tensor, folder: str | Path | None = None) -> torch.Tensor:
+    """A copy of `x` in a memory-mapped file under `folder` (default: the system's temporary folder), unlinked at once:
+    page cache the kernel writes back and drops under pressure, not anonymous memory; its disk space is freed
+    when the tensor is. What a layer-by-layer run keeps of every layer that is as large as a weight (a refit's new
+    output-projection columns) goes here, so that host memory does not grow with depth. Refused in one line where
+    the folder's disk has no room (a mapping beyond a full disk would fault on write)."""
+    import os
+    import shutil
+    import tempfile
+
+    folder = Path(folder) if folder is not None else Path(tempfile.gettempdir())
+    need = x.numel() * x.element_size()
+    if need > shutil.disk_usage(folder).free:
+        raise OSError(f"not enough disk space in {folder} for a layer's compensation ({need:,} bytes): free some, or "
+                      "set capture.spill_dir to a folder with room")
+    fd, name = tempfile.mkstemp(prefix="pruner-kept-", suffix=".bin", dir=folder)
+    os.close(fd)
+    try:
+        out = torch.from_file(name, shared=True, size=max(x.numel(), 1), dtype=x.dtype)[:x.numel()].view(x.shape)
+        out.copy_(x)
+    finally:
+        os.unlink(name)  # the mapping stays valid; the space is freed with it
+    return out
+
+
 @contextmanager
 def spilled(onloader: Onloader | None, keep_every_layer: bool = False) -> Iterator[Spill | None]:
     """A `Spill` under `onloader.spill` for one pass, or None where the hidden states stay in memory."""

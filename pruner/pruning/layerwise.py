@@ -20,7 +20,16 @@ from pruner.attention.sequential import capture_layerwise
 from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
-from pruner.core.layerwise import BlockCall, Onloader, call_block, first_block_calls, replayed, run_blocks, spilled
+from pruner.core.layerwise import (
+    BlockCall,
+    Onloader,
+    call_block,
+    file_backed,
+    first_block_calls,
+    replayed,
+    run_blocks,
+    spilled,
+)
 from pruner.core.runtime import attends_causally, forward
 from pruner.pruning.calibrate import example_losses, for_mask_gradients, mlm_masks
 from pruner.pruning.compensation import choose_layer_ridge, diagnostics, refit_layer
@@ -42,7 +51,8 @@ def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, co
                          "that reads the capture (sink-aware, refit-energy, fluctuation, output-norm, bos-sink, ...)")
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    finisher = LayerFinisher(model, request, seed=seed, ridge=ridge)
+    finisher = LayerFinisher(model, request, seed=seed, ridge=ridge,
+                             keep=lambda t: file_backed(t, getattr(onloader, "spill", None)))
     stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
                               finish=finisher.finish)
     grad = None
@@ -109,9 +119,9 @@ def _refit_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sin
                 continue
             choice = None if ridge != "auto" else choose_layer_ridge(model, layer, hs, sums.folds)
             fit = refit_layer(model, layer, hs, sums.outputs.to("cpu"), ridge if choice is None else choice.ridge)
+            weight = file_backed(fit.delta_w.to(cast), getattr(onloader, "spill", None))  # not in memory: a file's
             comps[i] = Compensation("refit", comp.bias | ({} if fit.delta_b is None else {layer: fit.delta_b.to(cast)}),
-                                    comp.weight | {layer: fit.delta_w.to(cast)},
-                                    comp.fits | {layer: diagnostics(fit, choice)})
+                                    comp.weight | {layer: weight}, comp.fits | {layer: diagnostics(fit, choice)})
         if not sequential or not plans[0].get(layer):
             return None
         return masked(model, {layer: plans[0][layer]}, comps[0])

@@ -12,6 +12,7 @@ second moments at a time, whatever the depth.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -135,6 +136,7 @@ class LayerFinisher:
     compensations: dict = field(default_factory=dict)  # LocalCompensation -> Compensation
     norms: dict = field(default_factory=dict)  # layer -> (head,) weight norms
     intercept: dict = field(default_factory=dict)  # layer -> the projection has a bias
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None  # where a compensation's weight goes (a file)
 
     def add(self, layer: int, stats: HeadStats) -> ScoringInputs:
         """Build `layer`'s curves (all but the deferred ones) from its one-layer statistics, second moments whole,
@@ -157,8 +159,9 @@ class LayerFinisher:
                 continue
             part = compensate(self.model, {layer: heads}, {layer: sums.outputs}, local.kind, local.ridge,
                               None if sums.folds is None else {layer: sums.folds})
+            weight = part.weight if self.keep is None else {k: self.keep(v) for k, v in part.weight.items()}
             done = self.compensations.get(local, Compensation(local.kind))
-            self.compensations[local] = Compensation(local.kind, done.bias | part.bias, done.weight | part.weight,
+            self.compensations[local] = Compensation(local.kind, done.bias | part.bias, done.weight | weight,
                                                      done.fits | part.fits)
         return sums.first_moments()
 
