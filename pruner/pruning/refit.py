@@ -55,10 +55,10 @@ def second_moment(o: Tensor, joint: Tensor, tokens: Tensor | float, intercept: b
     """
     n = float(tokens)
     mu = o.reshape(-1).double() / n
-    s = joint.double() / n
+    s = joint.double() / n  # in place from here: two (D, D) float64 matrices at most, not four
     if intercept:
-        s = s - torch.outer(mu, mu)
-    return mu, (s + s.t()) / 2  # exact symmetry: the sums are symmetric up to rounding
+        s.sub_(torch.outer(mu, mu))
+    return mu, s.add(s.t()).mul_(0.5)  # exact symmetry: the sums are symmetric up to rounding
 
 
 def ridge_lambda(s: Tensor, ridge: float) -> float:
@@ -253,8 +253,10 @@ def system(w_gram: Tensor, mu: Tensor | None, s: Tensor, ridge: float, layer: in
     if silent(mu, s):
         return System(w_gram, None, 0.0)
     lam = ridge_lambda(s, ridge)
-    t = s.double() + lam * torch.eye(s.shape[0], dtype=torch.float64)
+    t = s.double().clone()
+    t.diagonal().add_(lam)  # S + lam I without an identity matrix beside it
     chol, info = torch.linalg.cholesky_ex(t)
+    del t
     if info:  # only a scorer that reads it fails: the other scorers do not need it
         return System(w_gram, None, lam, f"refit-aware scoring of layer {layer}: the heads' second moment "
                       f"is singular (ridge {ridge:g}); set surgery.ridge > 0 (e.g. 1e-3)")
@@ -298,14 +300,15 @@ class RidgeChoice:
 def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -> tuple[Tensor, Tensor]:
     """The training system (total minus fold f) and the held-out fold's second moment around the training mean."""
     n_t = float(n.sum() - n[f])
-    s_t = (joint.sum(0) - joint[f]) / n_t
+    s_t = joint.sum(0).sub_(joint[f]).div_(n_t)  # in place: a few (D, D) float64 matrices at most per fold
     mu = (o.sum(0) - o[f]) / n_t if intercept else torch.zeros_like(o[f])
     if intercept:
-        s_t = s_t - torch.outer(mu, mu)
-    s_t = (s_t + s_t.t()) / 2
-    m_f, x_f = joint[f] / n[f], o[f] / n[f]
-    c = m_f - torch.outer(x_f, mu) - torch.outer(mu, x_f) + torch.outer(mu, mu)  # E_f[(x - mu)(x - mu)^T]
-    return s_t, (c + c.t()) / 2
+        s_t.sub_(torch.outer(mu, mu))
+    s_t = s_t.add(s_t.t()).mul_(0.5)
+    x_f = o[f] / n[f]
+    c = joint[f] / n[f]  # E_f[(x - mu)(x - mu)^T]
+    c.sub_(torch.outer(x_f, mu)).sub_(torch.outer(mu, x_f)).add_(torch.outer(mu, mu))
+    return s_t, c.add(c.t()).mul_(0.5)
 
 
 def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,

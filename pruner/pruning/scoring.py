@@ -146,9 +146,10 @@ def cross_energy(outputs: list, o_gram: Tensor) -> Tensor:
     out = []
     for m, gram in zip(outputs, o_gram):  # o_gram: (layer, H*d_head, H*d_head) W_O^T W_O
         mean = (m.o / m.tokens).reshape(-1)
-        cov = m.joint.double() / m.tokens - torch.outer(mean, mean)  # (D, D), D = H * d_head (stored float32?)
+        cov = m.joint.double() / m.tokens  # (D, D), D = H * d_head; in place from here (one more matrix, not three)
+        cov.sub_(torch.outer(mean, mean))
         H = m.o.shape[0]
-        prod = (gram.double() * cov).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
+        prod = cov.mul_(gram).view(H, cov.shape[0] // H, H, cov.shape[0] // H)  # G_ij C_ij (C symmetric)
         out.append(prod.sum(dim=(1, 3)))
     return torch.stack(out)
 
