@@ -18,37 +18,25 @@ def add_parser(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoConfig
-
     from pruner.commands import recipe_overrides
-    from pruner.core import assets
-    from pruner.pruning.scoring import get_scorer
     from pruner.runs import memory_plan as mp
     from pruner.runs.recipe_io import load_recipe
-    from pruner.runs.resources import Sizes, available_memory, model_bytes
+    from pruner.runs.resources import available_memory, model_bytes
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     m, cal = recipe.model, recipe.calibration
-    config = AutoConfig.from_pretrained(assets.resolve(m.path), trust_remote_code=m.trust_remote_code)
-    config.dtype = getattr(torch, m.dtype)
-    model = mp.meta_model(config).to(getattr(torch, m.dtype))
-    metrics = len(dict.fromkeys(["cosine", *recipe.capture.metrics]))
-    folds = recipe.surgery.folds if recipe.surgery.ridge == "auto" and recipe.surgery.compensation == "refit" else 0
-    sizes = Sizes(batch_size=cal.batch_size, length=cal.length, chunk_size=recipe.capture.chunk_size,
-                  pair_metrics=metrics, outputs=True, folds=folds, moments=recipe.capture.moments,
-                  gradient=get_scorer(recipe.scorer.name).needs_gradient)
-    samples = cal.num_samples or 64
-    systems = get_scorer(recipe.scorer.name).needs_systems
-    plans = [mp.memory_plan(model, sizes, samples, mode, m.device, systems, recipe.capture.hidden == "disk",
-                            recipe.capture.read_ahead) for mode in ("all", "sequential")]
+    model = mp.recipe_model(recipe)
+    sequential = mp.run_plan(recipe, model)
+    calibration = mp.calibration_sizes(recipe, model)
+    whole = mp.memory_plan(model, calibration, cal.num_samples or 64, "all", m.device,
+                           mp.scorer_of(recipe).needs_systems)
     free = available_memory(m.device)
     chosen = recipe.capture.onload if recipe.capture.onload != "auto" else \
         ("sequential" if free is not None and model_bytes(model) > 0.8 * free else "all" if free is not None else "?")
-    print(f"{m.path}: {model_bytes(model) / 2**30:.1f} GiB of weights in {m.dtype}; calibration of {samples} "
-          f"windows x {cal.length} tokens, batch {cal.batch_size}, on {m.device}" +
-          (f", {folds} folds for ridge auto" if folds else "") + "\n")
-    print(mp.render(plans, m.device, chosen))
-    ev = recipe.evaluation
-    print("\n" + mp.after_plan(model, ev.num_samples, ev.length, ev.batch_size, recipe.capture.read_ahead))
+    print(f"{m.path}: {model_bytes(model) / 2**30:.1f} GiB of weights in {m.dtype}; calibration of "
+          f"{cal.num_samples or 64} windows x {cal.length} tokens, batch {cal.batch_size}, on {m.device}" +
+          (f", {calibration.folds} folds for ridge auto" if calibration.folds else "") +
+          "; all: the calibration with the whole model resident; sequential: the whole `pruner prune` a block at "
+          "a time\n")
+    print(mp.render([whole, sequential], m.device, chosen))
     return 0

@@ -1,27 +1,31 @@
-"""The memory a calibration will take, per device and for the host, in each onload mode, from a config alone.
+"""The memory a run will take, per device and for the host, stage by stage, from a config alone.
 
-`memory_plan` adds up the peaks of `pruner.runs.resources` by where they live:
+A run's memory is a sequence of stages, each with its own peak; the run's peak is the largest. `memory_plan`
+gives the calibration's, `run_plan` the whole `pruner prune`'s. Parts are the arithmetic of the model's
+geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
 
-- `all` (the whole model resident on the device): the device holds the weights, every layer's sums
-  (twice: the total and the batch being added) and one batch's activations; the host holds the
-  finished sums (float64), every layer's W_O^T W_O (float32, `pruner.pruning.calibrate.layer_grams`) and,
-  when the device is a GPU, the weights while `from_pretrained` loads them;
-- `sequential` (one block at a time, `pruner.core.layerwise`, and the next one read ahead unless
-  capture.read_ahead is off): the device holds the weights outside the blocks (embeddings, final norm, LM head; on a CPU they stay memory-mapped from the checkpoint and
-  only what is read is resident: the embedding rows of the calibration tokens, no LM head), one block, one layer's sums (on a CPU only the batch's
-  copy: the total is already one of the host's finished sums) and one batch's activations; the host holds every calibration window's hidden states (plus the batch being
-  replaced), the finished layers' sums and their W_O^T W_O.
+- `all` (the whole model resident on the device): the device holds the weights, one layer's running sums and
+  one batch's (added in place), and one batch's activations; the host holds every layer's finished sums (the
+  later stages read them), one layer's W_O^T W_O and curve-building work at a time and, when the device is a
+  GPU, the weights while `from_pretrained` loads them;
+- `sequential` (one block at a time, `pruner.core.layerwise`, the next one read ahead unless capture.read_ahead
+  is off), in two alternating moments per layer: *a batch through a block* -- the blocks, the layer's running
+  sums and a batch's, one batch's activations -- and *a finished layer's curves* (`pruner.pruning.per_layer`)
+  -- its whole sums, its W_O^T W_O and the work of its curves (the refit-aware scorer's system, the cross
+  energy) and of a per-layer budget's refit; throughout, every window's hidden states and what is kept of the
+  finished layers (first moments, pair matrices, curves: small). Nothing of a layer's second moments is kept
+  once its curves are built, so host memory does not grow with depth (DESIGN section 8.4).
 
-With the gradient scorer the sequential host also keeps every block's input for every window while the
-backward pass runs a block at a time (`pruner.pruning.layerwise.gradient_layerwise`).
+On a CPU the weights are memory-mapped from the checkpoint: the page cache, which the kernel can drop, not the
+process's anonymous memory; so are the refit's new output-projection columns (`pruner.core.layerwise.
+file_backed`). Those parts are named "(memory-mapped ...)" and `MemoryPlan.anonymous` leaves them out: it is
+what `eval/bench_prune_layerwise.py` compares with the measured peak RssAnon. On a CPU device and host are one
+memory: `total` is their sum.
 
-The refit-aware scorer (`refit-energy`, the decoder default) then keeps every layer's float64 refit
-precision while it selects: as much again as the joint second moments (`--set scorer.name=sink-aware`
-does without).
-
-On a CPU run device and host are one memory: `total` is their sum. `pruner plan-memory RECIPE` prints
-both modes for any model from its config.json alone (built on the meta device: no weight is read or
-downloaded) and says which `capture.onload: auto` picks on this machine.
+The constants of the working sets (how many (H d_head)^2 float64 matrices a step holds at once) are read off
+the code of each step (`pruner.pruning.refit`, `scoring.cross_energy`) and checked against measured peaks.
+`pruner plan-memory RECIPE` prints the stages for any model from its config.json alone (built on the meta
+device: no weight is read or downloaded) and says which `capture.onload: auto` picks on this machine.
 """
 
 from __future__ import annotations
@@ -44,18 +48,69 @@ from pruner.runs.resources import (
     statistics_bytes,
 )
 
+MAPPED = "(memory-mapped"  # parts whose name holds this are file-backed on a CPU (page cache, not anonymous)
+# (H d_head)^2 float64 matrices a finished layer's step holds at once beside its sums (read off the code):
+CROSS_SQUARES = 2      # the cross energy: the covariance and one outer product (`scoring.cross_energy`)
+SYSTEM_SQUARES = 3.5   # the refit-aware scorer: S, its Cholesky factor and inverse while built; then the inverse
+#                        and the first step's candidate blocks of it and of W_O^T W_O (`refit.system`, `marginal_costs`)
+REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system, its held-out moment and their
+#                        symmetric copies (`refit._fold_system`), then the fit (`refit.fit_layer`)
+LOGIT_COPIES = 3       # a slice of logits: the head's output, its float32 copy and the log-softmax
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One moment of a run and what it holds, by part, on the device and on the host."""
+
+    name: str
+    device: Estimate
+    host: Estimate
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """A run's (or a calibration's) stages; its peaks are the largest stage's."""
+
     onload: str
-    device: Estimate
-    host: Estimate
+    stages: tuple[Stage, ...]
     cpu: bool  # device and host are one memory
     spill: bool = False  # the hidden states in files (capture.hidden: disk)
 
+    def of(self, stage: Stage, anonymous: bool = False) -> int:
+        """A stage's bytes: device + host on a CPU (without the memory-mapped parts with `anonymous`), else the
+        larger of the two."""
+        if not self.cpu:
+            return max(stage.device.total, stage.host.total)
+        parts = [*stage.device.parts.items(), *stage.host.parts.items()]
+        return sum(v for k, v in parts if not (anonymous and MAPPED in k))
+
+    @property
+    def peak_stage(self) -> Stage:
+        return max(self.stages, key=self.of)
+
     @property
     def total(self) -> int:
-        return self.device.total + self.host.total if self.cpu else max(self.device.total, self.host.total)
+        """Peak bytes: device + host in the largest stage on a CPU; the larger of the two peaks elsewhere."""
+        return self.of(self.peak_stage) if self.cpu else max(self.device.total, self.host.total)
+
+    @property
+    def anonymous(self) -> int:
+        """The peak without the memory-mapped parts (a CPU: the process's anonymous memory)."""
+        return max(self.of(s, anonymous=True) for s in self.stages)
+
+    @property
+    def anonymous_stage(self) -> Stage:
+        return max(self.stages, key=lambda s: self.of(s, anonymous=True))
+
+    @property
+    def device(self) -> Estimate:
+        """The device's parts in the stage where the device peaks."""
+        return max((s.device for s in self.stages), key=lambda e: e.total)
+
+    @property
+    def host(self) -> Estimate:
+        """The host's parts in the stage where the host peaks."""
+        return max((s.host for s in self.stages), key=lambda e: e.total)
 
 
 def block_bytes(model) -> int:
@@ -69,58 +124,114 @@ def hidden_bytes(model, tokens: int) -> int:
     return tokens * arch.o_weight_cols(model, 0).shape[0] * next(model.parameters()).element_size()
 
 
+def _square(model) -> int:
+    """One (H d_head)^2 float64 matrix: the unit of a layer's second moments and of the work built on them."""
+    g = arch.geometry(model)
+    return (g.n_heads * g.head_dim) ** 2 * 8
+
+
+def kept_bytes(model, sizes: Sizes) -> int:
+    """What is kept of every finished layer: first moments, per-head sums and the pair matrices (float64), and its
+    curves (a few numbers per head)."""
+    s = model_shape(model)
+    H, D = s["H"], s["D"]
+    per_layer = 2 * sizes.pair_metrics * H * H + 16 * H + (3 * H * D + 1 if sizes.outputs else 0) + 8 * H
+    return s["L"] * per_layer * 8
+
+
+def whole_layer_bytes(model, sizes: Sizes) -> int:
+    """One layer's finished sums, float64: pair matrices, per-head sums, output moments, the joint moment and the
+    fold moments (what a finished layer holds while its curves are built)."""
+    return statistics_bytes(model, sizes) // 2 // model_shape(model)["L"]
+
+
+def _running_bytes(model, sizes: Sizes) -> tuple[int, int]:
+    """(the layer's running sums, one batch's sums while they are added): with fold moments the joint moment is
+    not accumulated (it is their sum, derived once the layer is complete) and the folds take each batch's in
+    place, so a batch adds the float32 product of one fold and its float64 copy."""
+    square = _square(model)
+    whole = whole_layer_bytes(model, sizes)
+    derived = (square + square // model_shape(model)["H"]) if sizes.folds else 0  # joint and oo, from the folds
+    running = whole - derived
+    folds = sizes.folds * (square + square // model_shape(model)["H"] // model_shape(model)["D"])
+    batch = running - folds + (square * 3 // 2 if (sizes.joint or sizes.folds) else 0)
+    return running, batch
+
+
+def finish_work(model, sizes: Sizes, systems: bool) -> int:
+    """The work beside a finished layer's sums while its curves (and a per-layer budget's refit) are built: its
+    W_O^T W_O (float32) and the largest of the cross energy, the refit-aware scorer's system and the refit, one
+    after the other."""
+    square = _square(model)
+    steps = [CROSS_SQUARES if sizes.joint else 0, SYSTEM_SQUARES if systems else 0, REFIT_SQUARES if sizes.local else 0]
+    return square // 2 + int(max(steps) * square)
+
+
+def _outside_cpu(model, samples: int, length: int, head: bool) -> int:
+    """The weights outside the blocks resident on a CPU: memory-mapped, only what is read -- the embedding rows of
+    the tokens, norms, and with `head` the LM head (read whole by evaluation; not by calibration)."""
+    act = next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    outside = weights - arch.geometry(model).n_layers * block_bytes(model)
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = out is not None and out.weight is emb
+    mapped = emb.numel() * act + (0 if out is None or tied else out.weight.numel() * act)
+    rows = min(emb.shape[0], samples * length) * emb.shape[1] * act
+    return outside - mapped + rows + (out.weight.numel() * act if head and out is not None and not tied else 0)
+
+
+def _blocks(model, read_ahead: bool, cpu: bool) -> dict[str, int]:
+    one = block_bytes(model)
+    tag = f" {MAPPED} from the checkpoint)" if cpu else ""
+    return {f"one block{tag}": one, **({f"the next block, read ahead{tag}": one} if read_ahead else {})}
+
+
 def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "cpu",
                 systems: bool = False, spill: bool = False, read_ahead: bool = True) -> MemoryPlan:
-    """Peak bytes by part on the device and on the host for a calibration of `samples` windows (see above),
-    and with `systems` (the refit-aware scorer) the selection after it: every layer's float64 refit precision
-    (S + lam I)^-1 beside the sums, and one layer's second moment and Cholesky factor while it is built."""
+    """The calibration's stages for `samples` windows (see the module docstring); with `systems` the refit-aware
+    scorer builds a refit system per layer, with `sizes.local` a per-layer budget's refit is computed as each
+    layer finishes."""
     cpu = torch.device(device).type == "cpu"
     est = calibration_estimate(model, sizes if onload == "all" else replace(sizes, gradient=False))
     parts, g = est.parts, arch.geometry(model)
-    work = parts.get("activations", 0) + parts.get("capture", 0) + parts.get("gradient pass", 0)  # the larger
-    sums = finished_bytes(model, sizes)  # the finished sums (the estimate counts them twice, float64)
-    layer = statistics_bytes(model, sizes) // 2 // g.n_layers  # one layer's sums while they accumulate (float64)
-    grams = g.n_layers * (g.n_heads * g.head_dim) ** 2 * 4  # W_O^T W_O per layer, float32
-    square = (g.n_heads * g.head_dim) ** 2 * 8  # one layer's (H d_head)^2 float64 matrix
-    scoring = {"refit-aware scorer's systems (every layer + one being built)": (g.n_layers + 3) * square} \
-        if systems else {}
+    work = parts.get("activations", 0) + parts.get("capture", 0) + parts.get("gradient pass", 0)
+    running, batch = _running_bytes(model, sizes)
+    curves = {"a finished layer's curves being built (W_O^T W_O and their work)": finish_work(model, sizes, systems)}
     if onload == "all":
-        dev = Estimate({"weights": parts["model"], "sums (total + batch)": parts["statistics"], "one batch": work})
-        host = Estimate({"finished sums": sums, "W_O^T W_O of every layer": grams, **scoring,
+        whole = finished_bytes(model, sizes)  # kept for the stages after it, in capture.moments
+        dev = Estimate({"weights": parts["model"], "one layer's running sums": running, "one batch's sums": batch,
+                        "one batch": work})
+        host = Estimate({"finished sums of every layer": whole, **curves,
                          **({} if cpu else {"weights while loading": parts["model"]})})
-        return MemoryPlan(onload, dev, host, cpu)
-    one = block_bytes(model)
-    act = next(model.parameters()).element_size()
-    batch_hidden = hidden_bytes(model, sizes.batch_size * sizes.length)
-    hidden = {"hidden states: one batch (every window's in files: capture.hidden disk)": batch_hidden} if spill \
-        else {"hidden states of every window": hidden_bytes(model, samples * sizes.length) + batch_hidden}
-    # on a CPU the layer's total becomes one of the finished sums where it is: only the batch's copy is extra
-    layer_sums = {"one layer's batch sums": layer} if cpu else {"one layer's sums (total + batch)": 2 * layer}
-    outside = parts["model"] - g.n_layers * one
-    blocks = {"one block": one, **({"the next block (read ahead)": one} if read_ahead else {})}
-    if cpu:  # memory-mapped from the checkpoint: resident as read (embedding rows of the tokens; no LM head yet)
-        emb = model.get_input_embeddings().weight
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        tied = head is not None and head.weight is emb
-        mapped = emb.numel() * act + (0 if head is None or tied else head.weight.numel() * act)
-        rows = min(emb.shape[0], samples * sizes.length)
-        dev = Estimate({"weights outside the blocks (memory-mapped: the rows read)": outside - mapped + rows *
-                        emb.shape[1] * act, **blocks, **layer_sums, "one batch": work})
-    else:
-        dev = Estimate({"weights outside the blocks": outside, **blocks, **layer_sums, "one batch": work})
-    host = Estimate({**hidden, "finished sums": sums, "W_O^T W_O of every layer": grams, **scoring})
-    if sizes.gradient:  # after the capture: every block's inputs kept for the backward, one batch through a block
-        dev, host = _with_gradient(model, sizes, samples, dev, host, spill)
-    return MemoryPlan(onload, dev, host, cpu, spill)
+        return MemoryPlan(onload, (Stage("calibration", dev, host),), cpu)
+    hidden = {"hidden states: one batch (every window's in files: capture.hidden disk)":
+              hidden_bytes(model, sizes.batch_size * sizes.length)} if spill else \
+        {"hidden states of every window": hidden_bytes(model, (samples + sizes.batch_size) * sizes.length)}
+    outside = {(f"weights outside the blocks {MAPPED}: the rows read)" if cpu else "weights outside the blocks"):
+               _outside_cpu(model, samples, sizes.length, False) if cpu else
+               parts["model"] - g.n_layers * block_bytes(model)}
+    blocks = _blocks(model, read_ahead, cpu)
+    kept = {"what is kept of the finished layers (first moments, pairs, curves)": kept_bytes(model, sizes)}
+    through = Stage("calibration: a batch through a block",
+                    Estimate({**outside, **blocks, "the layer's running sums": running, "one batch's sums": batch,
+                              "one batch": work}),
+                    Estimate({**hidden, **kept}))
+    whole = {"a finished layer's whole sums": whole_layer_bytes(model, sizes)}
+    finished = Stage("calibration: a finished layer's curves", Estimate({**outside, **blocks}),
+                     Estimate({**hidden, **kept, **whole, **curves}))
+    stages = [through, finished]
+    if sizes.gradient:
+        stages.append(_gradient_stage(model, sizes, samples, outside, blocks, kept, spill))
+    return MemoryPlan(onload, tuple(stages), cpu, spill)
 
 
-def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estimate,
-                   spill: bool = False) -> tuple[Estimate, Estimate]:
-    """The layer-by-layer gradient pass (`pruner.pruning.layerwise.gradient_layerwise`) added to a sequential
-    plan: on the host every block's input for every window (layer x windows x T x d_model, the model's dtype)
-    and the gradients being handed down (windows x T x d_model); on the device the larger of the capture's
-    batch and one batch backpropagated through one block (its activations, attention weights and MLP) or
-    through the LM head (the logits, float32). With `spill` the inputs and gradients are in files."""
+def _gradient_stage(model, sizes: Sizes, samples: int, outside: dict, blocks: dict, kept: dict,
+                    spill: bool) -> Stage:
+    """The layer-by-layer gradient pass (`pruner.pruning.layerwise.gradient_layerwise`): on the host every block's
+    input for every window (layer x windows x T x d_model, the model's dtype) and the gradients being handed
+    down; on the device one batch backpropagated through one block (its activations, attention weights and
+    MLP) or through the LM head (the logits, float32). With `spill` the inputs and gradients are in files."""
     s = model_shape(model)
     a = next(model.parameters()).element_size()
     B, T = sizes.batch_size, sizes.length
@@ -130,9 +241,122 @@ def _with_gradient(model, sizes: Sizes, samples: int, dev: Estimate, host: Estim
         inputs, name = hidden_bytes(model, B * T), "every block's inputs (gradient pass): one batch (the rest in files)"
     backward = max(B * (BACKWARD_PER_LAYER * T * s["d"] * a + s["H"] * T * T * 4 + 3 * T * s["ffn"] * a),
                    3 * B * T * s["V"] * 4)
-    dev_parts = dict(dev.parts)
-    dev_parts["one batch"] = max(dev_parts["one batch"], backward)
-    return Estimate(dev_parts), Estimate({**host.parts, name: inputs})
+    return Stage("gradient pass", Estimate({**outside, **blocks, "one batch backpropagated": backward}),
+                 Estimate({**kept, name: inputs}))
+
+
+def later_stages(model, sizes: Sizes, samples: int, device: str, after: "After") -> list[Stage]:
+    """What `pruner prune` holds after the calibration, layer by layer (see `run_plan`)."""
+    cpu = torch.device(device).type == "cpu"
+    g, s = arch.geometry(model), model_shape(model)
+    act = next(model.parameters()).element_size()
+    blocks = _blocks(model, after.read_ahead, cpu)
+    kept = {"what is kept of the finished layers (first moments, pairs, curves)": kept_bytes(model, sizes)}
+    comp = {}
+    if after.refit:  # the new output-projection columns of every pruned layer, in files
+        name = f"refit's new output-projection columns {MAPPED} files)" if cpu else "refit's new output-projection columns"
+        comp[name] = g.n_layers * s["d"] * g.n_heads * g.head_dim * act
+    stages = []
+    if after.refit_pass:  # the compensation's own pass: the output moments again, a fit per layer
+        pass_sizes = replace(sizes, pair_metrics=0, joint=True, folds=after.folds, local=True)
+        for stage in memory_plan(model, pass_sizes, samples, "sequential", device, False, after.spill,
+                                 after.read_ahead).stages:
+            stages.append(Stage(f"compensation pass: {stage.name.split(': ', 1)[1]}", stage.device,
+                                Estimate({**stage.host.parts, **comp})))
+    B, T = after.eval_batch, after.eval_length
+    plain = calibration_estimate(model, replace(sizes, batch_size=B, length=T, outputs=False, joint=False,
+                                                folds=0, gradient=False)).parts["activations"]
+    hidden = {"hidden states of every evaluation window": hidden_bytes(model, (after.eval_windows + B) * T)}
+    outside = {(f"weights outside the blocks {MAPPED}: the rows read, the LM head)" if cpu else
+                "weights outside the blocks"): _outside_cpu(model, after.eval_windows, T, True) if cpu else
+               sum(p.numel() * p.element_size() for p in model.parameters()) - g.n_layers * block_bytes(model)}
+    from pruner.evaluation.perplexity import LOGIT_BYTES
+
+    logits = LOGIT_COPIES * min(LOGIT_BYTES, B * T * s["V"] * 4) + B * T * s["d"] * 4
+    stages.append(Stage("evaluation (base and pruned)", Estimate({**outside, **blocks, "one batch through a block":
+                                                                   plain, "a slice of the logits": logits}),
+                        Estimate({**hidden, **kept, **comp})))
+    attention = (g.n_heads + 2 * g.n_kv_heads) * g.head_dim * s["d"] * act + s["d"] * g.n_heads * g.head_dim * act
+    check = 2 * 32 * s["V"] * 4 * 4  # the check tokens' logits: exact, rounded, cached, reloaded
+    written = {(f"the written copy's weights outside the blocks {MAPPED}: the rows read)" if cpu else
+                "the written copy's weights outside the blocks"): next(iter(outside.values())),
+               (f"one written block, read back {MAPPED} from the new files)" if cpu else "one written block, read back"):
+               block_bytes(model)}
+    stages.append(Stage("writing model/ and reading it back", Estimate({
+        **outside, **blocks, **written, "the written block's new attention weights": attention,
+        "the check tokens' logits": check}), Estimate({**kept, **comp})))
+    return stages
+
+
+@dataclass(frozen=True)
+class After:
+    """What the stages after the calibration depend on (from the recipe)."""
+
+    eval_windows: int
+    eval_length: int
+    eval_batch: int
+    refit: bool          # refit's new columns are kept for every pruned layer
+    refit_pass: bool     # a one-shot refit of a global budget, or a sequential refit: a pass of its own
+    folds: int = 0       # that pass's fold moments (ridge auto)
+    read_ahead: bool = True
+    spill: bool = False
+
+
+def run_plan(recipe, model=None) -> MemoryPlan:
+    """`pruner prune`'s stages, layer by layer (capture.onload: sequential), for a recipe, from its model's config
+    alone when `model` is not given: the calibration's (`memory_plan`), then the compensation's own pass where it
+    needs one, the evaluations and the written model/. What `pruner plan-memory` prints and the benchmarks check."""
+    if model is None:
+        model = recipe_model(recipe)
+    r = recipe
+    scorer, s = scorer_of(r), r.surgery
+    sizes = calibration_sizes(r, model)
+    samples = r.calibration.num_samples or 64
+    spill = r.capture.hidden == "disk"
+    plan = memory_plan(model, sizes, samples, "sequential", r.model.device, scorer.needs_systems, spill,
+                       r.capture.read_ahead)
+    ev = r.evaluation
+    refit_pass = s.compensation == "refit" and (s.refit_mode == "sequential" or not sizes.local)
+    after = After(ev.num_samples or 64, ev.length, min(ev.batch_size, ev.num_samples or 64),
+                  s.compensation == "refit", refit_pass, s.folds if s.ridge == "auto" else 0, r.capture.read_ahead,
+                  spill)
+    return MemoryPlan("sequential", plan.stages + tuple(later_stages(model, sizes, samples, r.model.device, after)),
+                      plan.cpu, spill)
+
+
+def scorer_of(recipe):
+    from pruner.pruning.scoring import get_scorer
+
+    return get_scorer(recipe.scorer.name)
+
+
+def calibration_sizes(recipe, model) -> Sizes:
+    """What the recipe's layer-by-layer calibration accumulates and builds per layer (as `pipeline.scoring_inputs`
+    decides it): the joint moments for the scorers and a refit computed from the pass, fold moments for that
+    refit with ridge auto, a per-layer budget's refit as each layer finishes."""
+    r = recipe
+    scorer, s = scorer_of(r), r.surgery
+    uniform = r.selection.shape == "servable" and arch.adapter_for(model).explicit_head_dim and \
+        r.selection.budget != "global"
+    local = s.compensation == "refit" and s.refit_mode == "oneshot" and bool(uniform)
+    cal = r.calibration
+    samples = cal.num_samples or 64
+    return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,
+                 pair_metrics=len(dict.fromkeys(["cosine", *r.capture.metrics])), outputs=True,
+                 joint=scorer.reads_joint or local, folds=s.folds if local and s.ridge == "auto" else 0,
+                 moments=r.capture.moments, gradient=scorer.needs_gradient, local=local)
+
+
+def recipe_model(recipe):
+    """The recipe's model on the meta device, in its dtype, from its config.json alone."""
+    from transformers import AutoConfig
+
+    from pruner.core import assets
+
+    m = recipe.model
+    config = AutoConfig.from_pretrained(assets.resolve(m.path), trust_remote_code=m.trust_remote_code)
+    config.dtype = getattr(torch, m.dtype)
+    return meta_model(config).to(getattr(torch, m.dtype))
 
 
 def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False,
@@ -161,12 +385,12 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
         return memory_plan(model, sizes, samples, "sequential", device, systems, spill, read_ahead)
     options = [] if spill else [("capture.hidden: disk (every window's hidden states in files under "
                                  "capture.spill_dir)", sizes, samples, systems, True)]
-    if sizes.moments == "float64":
-        options.append(("capture.moments: float32 (the joint moments stored in half)", replace(sizes, moments="float32"),
-                        samples, systems, spill))
     if sizes.folds:
         options.append(("surgery.ridge: a number such as 0.1 instead of auto (no fold moments)",
                         replace(sizes, folds=0), samples, systems, spill))
+    if sizes.local:
+        options.append(("surgery.compensation: mean (no refit per layer)", replace(sizes, folds=0, local=False,
+                                                                               joint=systems), samples, systems, spill))
     if systems:
         options.append(("scorer.name: sink-aware (no refit system per layer)", sizes, samples, False, spill))
     n = samples // 2
@@ -176,34 +400,11 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
         options.append((f"calibration.num_samples: {n} (fewer hidden states kept)", sizes, n, systems, spill))
     fits = [name for name, *option in options if not short(*option)]
     if not fits and options:  # none alone: all of them together?
-        if not short(replace(sizes, moments="float32", folds=0), max(n, 1), False, True):
+        if not short(replace(sizes, folds=0, local=False), max(n, 1), False, True):
             fits = [" and ".join(name for name, *_ in options)]
     raise ResourceError(f"not enough memory for the layer-by-layer calibration: the {'; the '.join(missing)}; "
                         + ("set " + ", or ".join(fits) if fits else "no setting here fits this machine: use one "
                            "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
-
-
-def after_plan(model, windows: int | None, length: int, batch: int = 8, read_ahead: bool = True) -> str:
-    """What the stages after the plan hold (a note under the table), with the blocks on disk: perplexity
-    (`prune` and `compare`) keeps every evaluation window's hidden states on the host and one block (two
-    with `read_ahead`) on the device (`pruner.evaluation.perplexity.window_scores`); `prune` writes model/ a
-    block at a time and reads it back the same way (`pruner.checkpoints.streamed`: the weights outside the
-    blocks twice, the written copy's and the base's, and the blocks)."""
-    g = arch.geometry(model)
-    act = next(model.parameters()).element_size()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    one = block_bytes(model)
-    outside = weights - g.n_layers * one
-    blocks, which = (2 * one, "two blocks: one runs, one is read ahead") if read_ahead else (one, "one block")
-    hidden = "" if windows is None else \
-        f": host {gib(hidden_bytes(model, windows * length))} of hidden states ({windows} windows x {length} tokens),"
-    vocab = getattr(model.config, "vocab_size", 0) or 0
-    logits = batch * length * vocab * (act + 8)  # the LM head's output, its float32 copy and log-softmax
-    return (f"after the plan, with the blocks on disk: `pruner prune` and `pruner compare` evaluate one block at a "
-            f"time{hidden} device {gib(outside + blocks)} of weights (outside the blocks + {which}) "
-            f"and one batch ({gib(logits)} of logits); `prune` writes model/ ({gib(weights)} before pruning) a block "
-            f"at a time and reads it back the same way: {gib(2 * outside + blocks)} of weights (outside the blocks "
-            f"twice + {which}); evaluation.tasks, latency and bench need the whole model")
 
 
 def meta_model(config):
@@ -217,16 +418,24 @@ def meta_model(config):
 
 
 def render(plans: list[MemoryPlan], device: str, chosen: str) -> str:
-    """The plans as a table (GiB by part), and what `auto` chooses here."""
-    rows = []
+    """The plans as tables (GiB by stage and part, each stage's peak), the peaks, and what `auto` chooses here."""
+    out = []
     for p in plans:
-        for where, est in (("device", p.device), ("host", p.host)):
-            rows += [[p.onload, where, part, gib(n)] for part, n in est.parts.items()]
-            rows.append([p.onload, where, "**peak**", f"**{gib(est.total)}**"])
-        if p.cpu:
-            rows.append([p.onload, "device + host (one memory on the CPU)", "**peak**", f"**{gib(p.total)}**"])
+        rows = []
+        for s in p.stages:
+            for where, est in (("device", s.device), ("host", s.host)):
+                rows += [[s.name, where, part, gib(n)] for part, n in est.parts.items()]
+            rows.append([s.name, "device + host" if p.cpu else "device / host", "**peak**",
+                         f"**{gib(p.of(s))}**" if p.cpu else f"**{gib(s.device.total)} / {gib(s.host.total)}**"])
+        peak = p.peak_stage
+        line = (f"capture.onload: {p.onload}: peak {gib(p.total)} ({peak.name})" if p.cpu else
+                f"capture.onload: {p.onload}: device peak {gib(p.device.total)}, host peak {gib(p.host.total)}")
+        if p.cpu and p.anonymous != p.total:
+            line += (f"; without the memory-mapped parts (page cache: the weights, refit's new columns) "
+                     f"{gib(p.anonymous)} ({p.anonymous_stage.name})")
+        out.append(markdown_table(["stage", "where", "part", "bytes"], rows) + "\n\n" + line)
     free = available_memory(device)
     note = (f"free now on {device}: {gib(free)}; capture.onload: auto picks `{chosen}` here" if free is not None
             else f"{device} is not on this machine: capture.onload: auto decides on the machine that runs it"
             + (f" (`{chosen}` is set)" if chosen in ("all", "sequential") else ""))
-    return markdown_table(["onload", "where", "part", "bytes"], rows) + "\n\n" + note
+    return "\n\n".join(out) + "\n\n" + note

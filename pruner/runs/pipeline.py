@@ -59,7 +59,7 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     sizes = resources.Sizes(batch_size=min(r.calibration.batch_size, len(session.calibration)),
                             length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
                             pair_metrics=len(metrics), outputs=True, joint=joint, folds=folds,
-                            moments=r.capture.moments, gradient=gradient)
+                            moments=r.capture.moments, gradient=gradient, local=bool(request.local))
     if layerwise:  # one block resident at a time
         check_layerwise(session, sizes, any(s.needs_systems for s in scorers))
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,

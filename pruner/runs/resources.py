@@ -68,6 +68,7 @@ class Sizes:
     folds: int = 0                 # the output moments per calibration fold (refit's ridge `auto`)
     channels: bool = False         # the sink / content channels' second moments (CaptureConfig.channels)
     moments: str = "float64"       # storage of the finished joint second moments (CaptureConfig.moments)
+    local: bool = False            # layer by layer, a per-layer budget's refit computed as each layer finishes
 
 
 @dataclass(frozen=True)
