@@ -19,15 +19,23 @@ def add_parser(sub, common) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pruner.commands import recipe_overrides
+    from pruner.core import arch
+    from pruner.pruning.selection import SelectionError, check_target
     from pruner.runs import memory_plan as mp
+    from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
     from pruner.runs.resources import available_memory, model_bytes
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     m, cal = recipe.model, recipe.calibration
     model = mp.recipe_model(recipe)
-    sequential = mp.run_plan(recipe, model)
-    calibration = mp.calibration_sizes(recipe, model)
+    try:
+        quota = check_target(arch.geometry(model), selection_config(recipe, model))[1]
+        refused = None
+    except SelectionError as e:  # `prune` would refuse this target: planned as a global budget, and said
+        quota, refused = None, str(e)
+    sequential = mp.run_plan(recipe, model, quota)
+    calibration = mp.calibration_sizes(recipe, model, quota)
     whole = mp.memory_plan(model, calibration, cal.num_samples or 64, "all", m.device,
                            mp.scorer_of(recipe).needs_systems)
     free = available_memory(m.device)
@@ -39,4 +47,6 @@ def run(args: argparse.Namespace) -> int:
           "; all: the calibration with the whole model resident; sequential: the whole `pruner prune` a block at "
           "a time\n")
     print(mp.render([whole, sequential], m.device, chosen))
+    if refused:
+        print(f"\nnote: `pruner prune` refuses this selection ({refused}); planned here as a global budget")
     return 0

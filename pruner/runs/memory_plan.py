@@ -36,6 +36,7 @@ import torch
 
 from pruner.core import arch
 from pruner.core.tables import markdown_table
+from pruner.runs import reads
 from pruner.runs.resources import (
     BACKWARD_PER_LAYER,
     Estimate,
@@ -302,15 +303,14 @@ class After:
     spill: bool = False
 
 
-def run_plan(recipe, model=None) -> MemoryPlan:
+def run_plan(recipe, model, quota: list[int] | None) -> MemoryPlan:
     """`pruner prune`'s stages, layer by layer (capture.onload: sequential), for a recipe, from its model's config
-    alone when `model` is not given: the calibration's (`memory_plan`), then the compensation's own pass where it
-    needs one, the evaluations and the written model/. What `pruner plan-memory` prints and the benchmarks check."""
-    if model is None:
-        model = recipe_model(recipe)
+    alone (`recipe_model`), `quota` its selection's per-layer counts (None: a global budget): the calibration's
+    (`memory_plan`), then the compensation's own pass where it needs one, the evaluations and the written model/.
+    What `pruner plan-memory` prints and the benchmarks check."""
     r = recipe
     scorer, s = scorer_of(r), r.surgery
-    sizes = calibration_sizes(r, model)
+    sizes = calibration_sizes(r, model, quota)
     samples = r.calibration.num_samples or 64
     spill = r.capture.hidden == "disk"
     plan = memory_plan(model, sizes, samples, "sequential", r.model.device, scorer.needs_systems, spill,
@@ -330,21 +330,22 @@ def scorer_of(recipe):
     return get_scorer(recipe.scorer.name)
 
 
-def calibration_sizes(recipe, model) -> Sizes:
-    """What the recipe's layer-by-layer calibration accumulates and builds per layer (as `pipeline.scoring_inputs`
-    decides it): the joint moments for the scorers and a refit computed from the pass, fold moments for that
-    refit with ridge auto, a per-layer budget's refit as each layer finishes."""
+def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
+    """What the recipe's layer-by-layer calibration accumulates and builds per layer, as the pipeline decides it
+    (`pruner.runs.reads`): the joint moments for the scorers and a refit computed from the pass, fold moments for
+    that refit with ridge auto, a per-layer budget's refit (`quota`: the selection's per-layer counts, or None
+    for a global budget) as each layer finishes."""
+    from pruner.pruning.curves import CurveKey
+
     r = recipe
     scorer, s = scorer_of(r), r.surgery
-    uniform = r.selection.shape == "servable" and arch.adapter_for(model).explicit_head_dim and \
-        r.selection.budget != "global"
-    local = s.compensation == "refit" and s.refit_mode == "oneshot" and bool(uniform)
+    local = bool(reads.local_compensation(quota, CurveKey(scorer.name, None, r.selection.gqa, 1), s, True))
+    joint, folds = reads.capture_reads([scorer], [s.compensation], s, True, local)
     cal = r.calibration
     samples = cal.num_samples or 64
     return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,
-                 pair_metrics=len(dict.fromkeys(["cosine", *r.capture.metrics])), outputs=True,
-                 joint=scorer.reads_joint or local, folds=s.folds if local and s.ridge == "auto" else 0,
-                 moments=r.capture.moments, gradient=scorer.needs_gradient, local=local)
+                 pair_metrics=len(dict.fromkeys(["cosine", *r.capture.metrics])), outputs=True, joint=joint,
+                 folds=folds, moments=r.capture.moments, gradient=scorer.needs_gradient, local=local)
 
 
 def recipe_model(recipe):

@@ -1,0 +1,41 @@
+"""What a calibration accumulates and computes per layer, decided from the recipe -- by the pipeline that runs it
+and by the memory model that predicts it alike (`pruner.runs.memory_plan`), so the two cannot disagree."""
+
+from __future__ import annotations
+
+from pruner.pruning.per_layer import LocalCompensation
+from pruner.pruning.scoring import Scorer, get_scorer
+from pruner.runs.recipe import SurgerySpec
+
+
+def capture_reads(scorers: list[Scorer], kinds: list[str], spec: SurgerySpec, layerwise: bool,
+                  local: bool) -> tuple[bool, int]:
+    """(joint, folds): whether the calibration pass accumulates the joint second moments of the head outputs,
+    and for how many folds -- only where a stage reads them (DESIGN section 8.4).
+
+    The joint moments: for the scorers that price heads with them (refit-aware, sink-aware) and for a one-shot
+    refit computed from this pass (the whole model in memory, or a per-layer budget compensated as each layer
+    finishes: `local`); the fold moments: for that refit with a cross-validated ridge. A measured ablation
+    compensates each head as the run will, so it reads what the compensation reads. A sequential refit, and a
+    one-shot refit after a layer-by-layer calibration that could not compensate as it went, capture their
+    own moments in a pass of their own.
+    """
+    refit_here = "refit" in kinds and spec.refit_mode == "oneshot" and (not layerwise or local)
+    measured = any(s.needs_ablation for s in scorers) and "refit" in kinds
+    refit_here = refit_here or measured
+    joint = any(s.reads_joint for s in scorers) or refit_here
+    folds = spec.folds if refit_here and spec.ridge == "auto" else 0
+    return joint, folds
+
+
+def local_compensation(quota: list[int] | None, key, spec: SurgerySpec,
+                       layerwise: bool) -> tuple[LocalCompensation, ...]:
+    """The compensation a layer-by-layer calibration computes as each layer finishes: a one-shot refit of a
+    per-layer budget (quotas), whose heads in a layer are known the moment that layer's curve is -- unless the
+    scorer reads what exists only after the capture (the gradient pass, the ablations)."""
+    scorer = get_scorer(key.scorer)
+    if not layerwise or quota is None or spec.compensation != "refit" or spec.refit_mode != "oneshot":
+        return ()
+    if scorer.needs_gradient or scorer.needs_ablation:  # its curves exist only after the capture: a pass of its own
+        return ()
+    return (LocalCompensation(key, tuple(quota), "refit", spec.ridge),)

@@ -1,0 +1,66 @@
+"""Only what a stage reads is accumulated (issue 33): for every scorer x compensation x ridge x budget, the sums a
+layer-by-layer calibration hands each finished layer to are the ones the memory model counts -- the joint moment
+where a scorer or a refit computed from that pass reads it, fold moments only for such a refit with ridge auto --
+and their bytes are the memory model's `a finished layer's whole sums`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pruner.core import arch, assets
+from pruner.pruning import per_layer
+from pruner.pruning.scoring import SCORERS, get_scorer
+from pruner.pruning.selection import check_target
+from pruner.runs import context, memory_plan, pipeline
+from pruner.runs.recipe_io import load_recipe
+
+pytestmark = pytest.mark.integration
+
+
+def _bytes(sums) -> int:
+    tensors = [v for v in vars(sums).values() if hasattr(v, "numel")]
+    tensors += list(sums.pairs.values())
+    for part in (sums.outputs, sums.folds):
+        tensors += [] if part is None else [v for v in vars(part).values() if hasattr(v, "numel")]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
+    base = load_recipe({"model": {"path": assets.resolve("llama-shakespeare")},
+                        "calibration": {"num_samples": 8, "length": 64, "batch_size": 4},
+                        "evaluation": {"num_samples": 2}, "sinks": {"mode": "first"},
+                        "capture": {"onload": "sequential"}, "selection": {"target": 0.5}})
+    session = context.prepare(base, progress=False, evaluation=False)
+    seen = []
+    finish = per_layer.LayerFinisher.finish
+
+    def spy(self, layer, sums, residual):  # the whole sums of each finished layer, as the capture hands them on
+        seen.append((sums.outputs.has_joint, None if sums.folds is None else len(sums.folds.tokens), _bytes(sums)))
+        return finish(self, layer, sums, residual)
+    monkeypatch.setattr(per_layer.LayerFinisher, "finish", spy)
+    checked = set()
+    for name in [s for s in SCORERS if s != "ablation"]:
+        for compensation in ("zero", "mean", "refit"):
+            for ridge in ("auto", 0.1):
+                for shape in ("servable", "any"):
+                    recipe = base.model_copy(update={
+                        "scorer": base.scorer.model_copy(update={"name": name}),
+                        "surgery": base.surgery.model_copy(update={"compensation": compensation, "ridge": ridge}),
+                        "selection": base.selection.model_copy(update={"shape": shape})})
+                    session.recipe, seen[:] = recipe, []
+                    pipeline.make_plan(session, progress=False)
+                    model = session.model
+                    quota = check_target(arch.geometry(model), pipeline.selection_config(recipe, model))[1]
+                    sizes = memory_plan.calibration_sizes(recipe, model, quota)
+                    case = (name, compensation, ridge, shape)
+                    assert len(seen) == arch.geometry(model).n_layers, case
+                    assert {(j, f) for j, f, _ in seen} == {(sizes.joint, sizes.folds or None)}, case
+                    want = memory_plan.whole_layer_bytes(model, sizes)
+                    assert all(abs(b - want) <= 0.02 * want for *_, b in seen), (case, want, seen[0])
+                    checked.add((sizes.joint, sizes.folds, sizes.local))
+    # every combination the decision can make was seen: no joint; joint alone; joint with folds and a local refit
+    assert checked >= {(False, 0, False), (True, 0, False), (True, 4, True), (True, 0, True)}, checked
+    assert get_scorer("refit-energy").reads_joint and not get_scorer("output-norm").reads_joint
+    assert replace(sizes, folds=0).folds == 0
