@@ -13,7 +13,7 @@ from pruner.core import arch, assets
 from pruner.pruning import per_layer
 from pruner.pruning.scoring import SCORERS, get_scorer
 from pruner.pruning.selection import check_target
-from pruner.runs import context, memory_plan, pipeline
+from pruner.runs import context, memory_plan, memory_run, pipeline
 from pruner.runs.recipe_io import load_recipe
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
                     pipeline.make_plan(session, progress=False)
                     model = session.model
                     quota = check_target(arch.geometry(model), pipeline.selection_config(recipe, model))[1]
-                    sizes = memory_plan.calibration_sizes(recipe, model, quota)
+                    sizes = memory_run.calibration_sizes(recipe, model, quota)
                     case = (name, compensation, ridge, shape)
                     assert len(seen) == arch.geometry(model).n_layers, case
                     assert {(j, f) for j, f, _ in seen} == {(sizes.joint, sizes.folds or None)}, case

@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from pruner.attention import kernel as st
-from pruner.attention import moments, pairs, sums
+from pruner.attention import moments, sums
 from pruner.attention.autosinks import auto_sink_spec
 from pruner.attention.batch import ForwardBatch, valid_keys
+from pruner.attention.config import CaptureConfig
 from pruner.attention.sinks import SinkSpec, sink_mask
 from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch
@@ -47,40 +47,6 @@ from pruner.core.runtime import forward, input_device
 
 IMPL = "pruner_capture"
 _ACTIVE: "Capture | None" = None
-
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    """What to accumulate and how finely to chunk the queries."""
-
-    chunk_size: int = 128
-    metrics: tuple[str, ...] = ("cosine", "js")
-    dormant_threshold: float = 0.9
-    outputs: bool = False  # also accumulate head-output moments (scoring, compensation)
-    joint: bool = True  # the joint second moment of all heads' outputs (refit, the refit-aware and sink-aware
-    #                     scorers read it); False: each head's own second moment only
-    folds: int = 0  # also the output moments per fold of whole samples (cross-validating refit's ridge)
-    channels: bool = False  # also each head's sink- and content-channel second moments (uu, ww; the scorer
-    #                         studies read them, no shipped scorer or compensation does: not kept by default)
-    moments: str = "float64"  # storage of each layer's finished joint second moments (and fold moments):
-    #                           accumulated in float64 either way; float32 halves what the host keeps
-    across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
-    fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
-
-    def __post_init__(self):
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.across_layers and self.outputs:
-            raise ValueError("across_layers and outputs cannot be captured together")
-        if self.folds and (self.folds < 2 or not self.outputs or not self.joint):
-            raise ValueError(f"folds must be 0 or >= 2, with outputs=True and joint=True (got {self.folds})")
-        if self.outputs and not self.fused:
-            raise ValueError("output moments are computed by the fused attention (fused=True)")
-        if self.moments not in ("float64", "float32"):
-            raise ValueError(f"moments must be float64 or float32, got {self.moments!r}")
-        bad = set(self.metrics) - set(pairs.PAIR_METRICS)
-        if bad:
-            raise ValueError(f"unknown pair metrics {sorted(bad)}; valid: {', '.join(pairs.PAIR_METRICS)}")
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -406,4 +372,4 @@ def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
     return cap.result()
 
 
-__all__ = ["Capture", "CaptureConfig", "capture_stats", "resolve_auto_sinks"]
+__all__ = ["Capture", "CaptureConfig", "capture_stats", "resolve_auto_sinks"]  # CaptureConfig: from .config

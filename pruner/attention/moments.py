@@ -167,38 +167,48 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
     if not from_folds and joint:
         with matmul_precision(bf16):
             joint_c = gram(xc, H)
-    per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
     o_sum, u_sum = o_sum.view(H, D), u_sum.view(H, D)
     w_sum = o_sum - u_sum
-
-    def uncentre(c: Tensor, total: Tensor, ref: Tensor) -> Tensor:
-        """sum x x^T from the centred sum: with s = sum (x - r) and t = s + n r / 2,
-        sum xc xc^T + r s^T + s r^T + n r r^T = sum xc xc^T + r t^T + t r^T."""
-        r = ref.double()
-        t = total - (n / 2) * r
-        out = c.double()
-        if out.dim() == 2:
-            return out.addr_(r, t).addr_(t, r)
-        return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
-
     if from_folds:  # derived from the folds once the layer is complete
         oo, joint = (torch.zeros(0, dtype=torch.float64, device=o.device) for _ in range(2))
     elif joint:
-        joint = uncentre(joint_c, o_sum.view(-1), ref_o)  # (H*d, H*d)
+        joint = uncentre(joint_c, o_sum.view(-1), ref_o, n)  # (H*d, H*d)
         oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
     else:  # each head's own block only, from the same centred float32 values
         with matmul_precision(bf16):
-            oo = uncentre(head_grams(xc.view(N, H, D)), o_sum, ref_o.view(H, D))
+            oo = uncentre(head_grams(xc.view(N, H, D)), o_sum, ref_o.view(H, D), n)
         joint = torch.zeros(0, dtype=torch.float64, device=oo.device)
     if not channels:  # the channels' centred copies are never made
         none = torch.zeros(0, dtype=torch.float64, device=joint.device)
         return OutputMoments(n, o_sum, u_sum, w_sum, oo, none, none.clone(), joint)
-    uc = uf - ref_u
-    if not every:
-        uc.mul_(r)
-    wc = (xc - uc).view(N, H, D)  # w = o - u, centred on ref_o - ref_u
-    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uncentre(per_head(uc.view(N, H, D)), u_sum, ref_u.view(H, D)),
-                         uncentre(per_head(wc), w_sum, (ref_o - ref_u).view(H, D)), joint)
+    uu, ww = _channels(xc.view(N, H, D), uf.view(N, H, D), r if not every else None, (u_sum, ref_u.view(H, D)),
+                       (w_sum, (ref_o - ref_u).view(H, D)), n)
+    return OutputMoments(n, o_sum, u_sum, w_sum, oo, uu, ww, joint)
+
+
+def _channels(xc: Tensor, u: Tensor, r: Tensor | None, u_ref: tuple[Tensor, Tensor], w_ref: tuple[Tensor, Tensor],
+              n: Tensor) -> tuple[Tensor, Tensor]:
+    """Each head's sink- and content-channel second moments (H, d, d), float64: xc (N, H, d) the centred outputs,
+    u (N, H, d) the sink channel, r (N, 1) the row weights (None: every row counts), each reference a (sum, mean)
+    pair; the content channel w = o - u is centred on the difference of the two means."""
+    uc = u - u_ref[1]
+    if r is not None:
+        uc.mul_(r.unsqueeze(-1))
+    wc = xc - uc
+    per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
+    return uncentre(per_head(uc), *u_ref, n), uncentre(per_head(wc), *w_ref, n)
+
+
+def uncentre(c: Tensor, total: Tensor, ref: Tensor, n: Tensor) -> Tensor:
+    """sum x x^T from the centred sum c = sum (x - r)(x - r)^T over n rows: with s = sum (x - r) and
+    t = s + n r / 2, sum xc xc^T + r s^T + s r^T + n r r^T = sum xc xc^T + r t^T + t r^T. c: (D, D) or a batch
+    (H, D, D) with total and ref (D,) or (H, D); float64 out."""
+    r = ref.double()
+    t = total - (n / 2) * r
+    out = c.double()
+    if out.dim() == 2:
+        return out.addr_(r, t).addr_(t, r)
+    return out.baddbmm_(r.unsqueeze(-1), t.unsqueeze(-2)).baddbmm_(t.unsqueeze(-1), r.unsqueeze(-2))
 
 
 def head_grams(x: Tensor, rows: int = 512) -> Tensor:

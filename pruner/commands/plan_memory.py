@@ -22,22 +22,23 @@ def run(args: argparse.Namespace) -> int:
     from pruner.core import arch
     from pruner.pruning.selection import SelectionError, check_target
     from pruner.runs import memory_plan as mp
+    from pruner.runs import memory_run
     from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
     from pruner.runs.resources import available_memory, model_bytes
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     m, cal = recipe.model, recipe.calibration
-    model = mp.recipe_model(recipe)
+    model = memory_run.recipe_model(recipe)
     try:
         quota = check_target(arch.geometry(model), selection_config(recipe, model))[1]
         refused = None
     except SelectionError as e:  # `prune` would refuse this target: planned as a global budget, and said
         quota, refused = None, str(e)
-    sequential = mp.run_plan(recipe, model, quota)
-    calibration = mp.calibration_sizes(recipe, model, quota)
+    sequential = memory_run.run_plan(recipe, model, quota)
+    calibration = memory_run.calibration_sizes(recipe, model, quota)
     whole = mp.memory_plan(model, calibration, cal.num_samples or 64, "all", m.device,
-                           mp.scorer_of(recipe).needs_systems)
+                           memory_run.scorer_of(recipe).needs_systems)
     free = available_memory(m.device)
     chosen = recipe.capture.onload if recipe.capture.onload != "auto" else \
         ("sequential" if free is not None and model_bytes(model) > 0.8 * free else "all" if free is not None else "?")

@@ -51,19 +51,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     if session.downstream:  # tasks run the whole model; perplexity runs block by block when the blocks are on disk
         resident(session)
     base = base_metrics(session, progress)
-    plans = []  # (record key, plan or the reason there is none, selection config), in job order
-    for (name, target, budget, gqa), cfg in configs.items():
-        key = {"scorer": name, "sparsity": target, "budget": budget, "gqa": gqa}
-        scorer = get_scorer(name)
-        try:
-            if isinstance(cfg, SelectionError):
-                raise cfg
-            key["budget"] = cfg.budget
-            plan = distributed.from_root(lambda: select(scorer, inputs, geom, cfg)) if only_root else \
-                select(scorer, inputs, geom, cfg)  # layer by layer, several processes: rank 0 alone has the sums
-        except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
-            plan = e
-        plans.append((key, plan, cfg))
+    plans = _plans(configs, inputs, geom, only_root)
     made = [plan.heads for _, plan, _ in plans if not isinstance(plan, SelectionError)]
     refit = recipe.surgery.model_copy(update={"compensation": "refit"})
     passed = iter(compensating.oneshot_refits(session, made, refit)) \
@@ -89,3 +77,22 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
                             **({} if fit is None else {"unexplained": fit["unexplained"],
                                                        "unexplained_relative": fit["relative"]})})
     return records
+
+
+def _plans(configs: dict, inputs, geom, only_root: bool) -> list[tuple[dict, object, object]]:
+    """(record key, plan or the reason there is none, selection config) for every job, in job order; layer by
+    layer with several processes rank 0 alone has the sums and selects."""
+    plans = []
+    for (name, target, budget, gqa), cfg in configs.items():
+        key = {"scorer": name, "sparsity": target, "budget": budget, "gqa": gqa}
+        scorer = get_scorer(name)
+        try:
+            if isinstance(cfg, SelectionError):
+                raise cfg
+            key["budget"] = cfg.budget
+            plan = distributed.from_root(lambda: select(scorer, inputs, geom, cfg)) if only_root else \
+                select(scorer, inputs, geom, cfg)
+        except SelectionError as e:  # e.g. a per-layer budget too small for a GQA unit
+            plan = e
+        plans.append((key, plan, cfg))
+    return plans

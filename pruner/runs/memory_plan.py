@@ -1,7 +1,7 @@
 """The memory a run will take, per device and for the host, stage by stage, from a config alone.
 
 A run's memory is a sequence of stages, each with its own peak; the run's peak is the largest. `memory_plan`
-gives the calibration's, `run_plan` the whole `pruner prune`'s. Parts are the arithmetic of the model's
+gives the calibration's, `pruner.runs.memory_run.run_plan` the whole `pruner prune`'s. Parts are the arithmetic of the model's
 geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
 
 - `all` (the whole model resident on the device): the device holds the weights, one layer's running sums and
@@ -36,7 +36,6 @@ import torch
 
 from pruner.core import arch
 from pruner.core.tables import markdown_table
-from pruner.runs import reads
 from pruner.runs.resources import (
     BACKWARD_PER_LAYER,
     Estimate,
@@ -168,7 +167,7 @@ def finish_work(model, sizes: Sizes, systems: bool) -> int:
     return square // 2 + int(max(steps) * square)
 
 
-def _outside_cpu(model, samples: int, length: int, head: bool) -> int:
+def outside_cpu_bytes(model, samples: int, length: int, head: bool) -> int:
     """The weights outside the blocks resident on a CPU: memory-mapped, only what is read -- the embedding rows of
     the tokens, norms, and with `head` the LM head (read whole by evaluation; not by calibration)."""
     act = next(model.parameters()).element_size()
@@ -182,7 +181,7 @@ def _outside_cpu(model, samples: int, length: int, head: bool) -> int:
     return outside - mapped + rows + (out.weight.numel() * act if head and out is not None and not tied else 0)
 
 
-def _blocks(model, read_ahead: bool, cpu: bool) -> dict[str, int]:
+def block_parts(model, read_ahead: bool, cpu: bool) -> dict[str, int]:
     one = block_bytes(model)
     tag = f" {MAPPED} from the checkpoint)" if cpu else ""
     return {f"one block{tag}": one, **({f"the next block, read ahead{tag}": one} if read_ahead else {})}
@@ -210,9 +209,9 @@ def memory_plan(model, sizes: Sizes, samples: int, onload: str, device: str = "c
               hidden_bytes(model, sizes.batch_size * sizes.length)} if spill else \
         {"hidden states of every window": hidden_bytes(model, (samples + sizes.batch_size) * sizes.length)}
     outside = {(f"weights outside the blocks {MAPPED}: the rows read)" if cpu else "weights outside the blocks"):
-               _outside_cpu(model, samples, sizes.length, False) if cpu else
+               outside_cpu_bytes(model, samples, sizes.length, False) if cpu else
                parts["model"] - g.n_layers * block_bytes(model)}
-    blocks = _blocks(model, read_ahead, cpu)
+    blocks = block_parts(model, read_ahead, cpu)
     kept = {"what is kept of the finished layers (first moments, pairs, curves)": kept_bytes(model, sizes)}
     through = Stage("calibration: a batch through a block",
                     Estimate({**outside, **blocks, "the layer's running sums": running, "one batch's sums": batch,
@@ -244,120 +243,6 @@ def _gradient_stage(model, sizes: Sizes, samples: int, outside: dict, blocks: di
                    3 * B * T * s["V"] * 4)
     return Stage("gradient pass", Estimate({**outside, **blocks, "one batch backpropagated": backward}),
                  Estimate({**kept, name: inputs}))
-
-
-def later_stages(model, sizes: Sizes, samples: int, device: str, after: "After") -> list[Stage]:
-    """What `pruner prune` holds after the calibration, layer by layer (see `run_plan`)."""
-    cpu = torch.device(device).type == "cpu"
-    g, s = arch.geometry(model), model_shape(model)
-    act = next(model.parameters()).element_size()
-    blocks = _blocks(model, after.read_ahead, cpu)
-    kept = {"what is kept of the finished layers (first moments, pairs, curves)": kept_bytes(model, sizes)}
-    comp = {}
-    if after.refit:  # the new output-projection columns of every pruned layer, in files
-        name = f"refit's new output-projection columns {MAPPED} files)" if cpu else "refit's new output-projection columns"
-        comp[name] = g.n_layers * s["d"] * g.n_heads * g.head_dim * act
-    stages = []
-    if after.refit_pass:  # the compensation's own pass: the output moments again, a fit per layer
-        pass_sizes = replace(sizes, pair_metrics=0, joint=True, folds=after.folds, local=True)
-        for stage in memory_plan(model, pass_sizes, samples, "sequential", device, False, after.spill,
-                                 after.read_ahead).stages:
-            stages.append(Stage(f"compensation pass: {stage.name.split(': ', 1)[1]}", stage.device,
-                                Estimate({**stage.host.parts, **comp})))
-    B, T = after.eval_batch, after.eval_length
-    plain = calibration_estimate(model, replace(sizes, batch_size=B, length=T, outputs=False, joint=False,
-                                                folds=0, gradient=False)).parts["activations"]
-    hidden = {"hidden states of every evaluation window": hidden_bytes(model, (after.eval_windows + B) * T)}
-    outside = {(f"weights outside the blocks {MAPPED}: the rows read, the LM head)" if cpu else
-                "weights outside the blocks"): _outside_cpu(model, after.eval_windows, T, True) if cpu else
-               sum(p.numel() * p.element_size() for p in model.parameters()) - g.n_layers * block_bytes(model)}
-    from pruner.evaluation.perplexity import LOGIT_BYTES
-
-    logits = LOGIT_COPIES * min(LOGIT_BYTES, B * T * s["V"] * 4) + B * T * s["d"] * 4
-    stages.append(Stage("evaluation (base and pruned)", Estimate({**outside, **blocks, "one batch through a block":
-                                                                   plain, "a slice of the logits": logits}),
-                        Estimate({**hidden, **kept, **comp})))
-    attention = (g.n_heads + 2 * g.n_kv_heads) * g.head_dim * s["d"] * act + s["d"] * g.n_heads * g.head_dim * act
-    check = 2 * 32 * s["V"] * 4 * 4  # the check tokens' logits: exact, rounded, cached, reloaded
-    written = {(f"the written copy's weights outside the blocks {MAPPED}: the rows read)" if cpu else
-                "the written copy's weights outside the blocks"): next(iter(outside.values())),
-               (f"one written block, read back {MAPPED} from the new files)" if cpu else "one written block, read back"):
-               block_bytes(model)}
-    stages.append(Stage("writing model/ and reading it back", Estimate({
-        **outside, **blocks, **written, "the written block's new attention weights": attention,
-        "the check tokens' logits": check}), Estimate({**kept, **comp})))
-    return stages
-
-
-@dataclass(frozen=True)
-class After:
-    """What the stages after the calibration depend on (from the recipe)."""
-
-    eval_windows: int
-    eval_length: int
-    eval_batch: int
-    refit: bool          # refit's new columns are kept for every pruned layer
-    refit_pass: bool     # a one-shot refit of a global budget, or a sequential refit: a pass of its own
-    folds: int = 0       # that pass's fold moments (ridge auto)
-    read_ahead: bool = True
-    spill: bool = False
-
-
-def run_plan(recipe, model, quota: list[int] | None) -> MemoryPlan:
-    """`pruner prune`'s stages, layer by layer (capture.onload: sequential), for a recipe, from its model's config
-    alone (`recipe_model`), `quota` its selection's per-layer counts (None: a global budget): the calibration's
-    (`memory_plan`), then the compensation's own pass where it needs one, the evaluations and the written model/.
-    What `pruner plan-memory` prints and the benchmarks check."""
-    r = recipe
-    scorer, s = scorer_of(r), r.surgery
-    sizes = calibration_sizes(r, model, quota)
-    samples = r.calibration.num_samples or 64
-    spill = r.capture.hidden == "disk"
-    plan = memory_plan(model, sizes, samples, "sequential", r.model.device, scorer.needs_systems, spill,
-                       r.capture.read_ahead)
-    ev = r.evaluation
-    refit_pass = s.compensation == "refit" and (s.refit_mode == "sequential" or not sizes.local)
-    after = After(ev.num_samples or 64, ev.length, min(ev.batch_size, ev.num_samples or 64),
-                  s.compensation == "refit", refit_pass, s.folds if s.ridge == "auto" else 0, r.capture.read_ahead,
-                  spill)
-    return MemoryPlan("sequential", plan.stages + tuple(later_stages(model, sizes, samples, r.model.device, after)),
-                      plan.cpu, spill)
-
-
-def scorer_of(recipe):
-    from pruner.pruning.scoring import get_scorer
-
-    return get_scorer(recipe.scorer.name)
-
-
-def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
-    """What the recipe's layer-by-layer calibration accumulates and builds per layer, as the pipeline decides it
-    (`pruner.runs.reads`): the joint moments for the scorers and a refit computed from the pass, fold moments for
-    that refit with ridge auto, a per-layer budget's refit (`quota`: the selection's per-layer counts, or None
-    for a global budget) as each layer finishes."""
-    from pruner.pruning.curves import CurveKey
-
-    r = recipe
-    scorer, s = scorer_of(r), r.surgery
-    local = bool(reads.local_compensation(quota, CurveKey(scorer.name, None, r.selection.gqa, 1), s, True))
-    joint, folds = reads.capture_reads([scorer], [s.compensation], s, True, local)
-    cal = r.calibration
-    samples = cal.num_samples or 64
-    return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,
-                 pair_metrics=len(dict.fromkeys(["cosine", *r.capture.metrics])), outputs=True, joint=joint,
-                 folds=folds, moments=r.capture.moments, gradient=scorer.needs_gradient, local=local)
-
-
-def recipe_model(recipe):
-    """The recipe's model on the meta device, in its dtype, from its config.json alone."""
-    from transformers import AutoConfig
-
-    from pruner.core import assets
-
-    m = recipe.model
-    config = AutoConfig.from_pretrained(assets.resolve(m.path), trust_remote_code=m.trust_remote_code)
-    config.dtype = getattr(torch, m.dtype)
-    return meta_model(config).to(getattr(torch, m.dtype))
 
 
 def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", systems: bool = False,
