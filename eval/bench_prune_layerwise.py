@@ -4,6 +4,8 @@
     python eval/bench_prune_layerwise.py 8b --layers 12 --recipe lean --windows 8 --length 128
     python eval/bench_prune_layerwise.py 8b --sweep 4,8,12,32                 # peak against depth
     python eval/bench_prune_layerwise.py 70b-width --layers 2                 # the 70B width, cut to 2 blocks
+    git worktree add /tmp/before 2efc1d6                                      # the code before selection curves
+    python eval/bench_prune_layerwise.py 8b --layers 8 --recipe today --code /tmp/before   # its wall time
 
 The checkpoint is the one `eval/bench_layerwise.py` writes (random bfloat16 weights from the public config, in
 HF's usual ~2 GB shards, several blocks to a shard; built here if missing, never held in memory), with the
@@ -11,12 +13,13 @@ shipped Llama tokenizer copied beside it. `pruner prune` runs on it in a fresh p
 sequential`: calibration, the base's and the plan's perplexity, compensation, the surgery and the written
 model/ (with its reload check) all one block at a time. Recipes: `default` -- the default scorer and
 compensation (refit-energy, refit with ridge auto over 4 folds), mode remove, the servable shape; `lean` -- the
-issue's case: sink-aware, mean compensation, mode mask.
+issue's case: sink-aware, mean compensation, mode mask; `today` -- the settings this benchmark ran before
+selection curves (refit-energy, mean compensation, ridge 0.1), for the wall time against that code (`--code`).
 
 Memory is the child's anonymous resident memory (RssAnon, sampled every 10 ms from /proc: the memory-mapped
 weights are page cache, which the kernel can drop) and its peak resident set (VmHWM, page cache included),
 against the model's size on disk and against `pruner plan-memory`'s prediction of the whole run
-(`pruner.runs.memory_plan.run_plan`), above the interpreter's own RssAnon with torch, transformers and pruner
+(`pruner.runs.memory_run.run_plan`), above the interpreter's own RssAnon with torch, transformers and pruner
 imported (measured in a separate process). Writes eval/results/bench_prune_layerwise-<case>.json.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,9 +71,9 @@ def status(pid: int) -> dict[str, int]:
     return out
 
 
-def run_sampled(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+def run_sampled(cmd: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     """Run `cmd`, sampling its memory every 10 ms: the peaks of RssAnon and VmRSS, the last VmHWM seen."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peaks = {"RssAnon": 0, "VmRSS": 0, "VmHWM": 0, "RssFile": 0}
 
     def sample():
@@ -94,26 +98,37 @@ def interpreter_anon() -> int:
 
 
 def predicted(recipe: Path) -> dict:
-    """`pruner plan-memory`'s prediction of the whole run (sequential, on this CPU)."""
-    from pruner.runs import memory_plan
+    """`pruner plan-memory`'s prediction of the whole run (sequential, on this CPU): the anonymous peak (the
+    memory-mapped weights and refit columns left out, as RssAnon leaves them out) and each stage's."""
+    from pruner.core import arch
+    from pruner.pruning.selection import check_target
+    from pruner.runs import memory_run
+    from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
 
-    plan = memory_plan.run_plan(load_recipe(recipe))
-    return {"peak": plan.peak, "stage": plan.peak_stage, "stages": {s.name: s.total for s in plan.stages}}
+    r = load_recipe(recipe)
+    model = memory_run.recipe_model(r)
+    quota = check_target(arch.geometry(model), selection_config(r, model))[1]
+    plan = memory_run.run_plan(r, model, quota)
+    return {"peak": plan.anonymous, "stage": plan.anonymous_stage.name,
+            "stages": {s.name: plan.of(s, anonymous=True) for s in plan.stages}}
 
 
 def case(args, layers: int | None) -> dict:
     folder = write_checkpoint(args.model, layers, Path(args.work) / f"{args.model}-{layers or 'all'}-2gb", 2 * 10**9)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer for the text (ids below every vocab size)
         shutil.copyfile(ROOT / "pruner" / "assets" / "models" / "llama-shakespeare" / f, folder / f)
-    work = Path(args.work) / f"prune-{args.model}-{layers or 'all'}-{args.recipe}"
+    tag = f"{args.model}-{layers or 'all'}-{args.recipe}" + ("-" + Path(args.code).name if args.code else "")
+    work = Path(args.work) / f"prune-{tag}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     recipe = work / "recipe.yaml"
     recipe.write_text(COMMON.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
                                     eval_windows=args.eval_windows, threads=args.threads) + RECIPES[args.recipe].format())
     t0 = time.perf_counter()
-    done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")])
+    env = {**os.environ, "PYTHONPATH": str(Path(args.code).resolve())} if args.code else None  # another checkout
+    done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
+                              env)
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(done.stderr[-3000:])
@@ -139,7 +154,7 @@ def case(args, layers: int | None) -> dict:
           f"peak RSS {gib(peaks['VmRSS']):.2f} GiB (page cache included); {wall:.0f} s")
     print(f"  above the interpreter ({gib(interp):.2f} GiB): {gib(peaks['RssAnon'] - interp):.2f} GiB; predicted "
           f"{gib(pred['peak']):.2f} GiB (in {pred['stage']}): measured/predicted {r['measured_over_predicted']:.2f}")
-    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{args.model}-{layers or 'all'}-{args.recipe}.json"
+    out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{tag}.json"
     out.write_text(json.dumps(r, indent=1) + "\n")
     print(f"wrote {out}")
     return r
@@ -158,6 +173,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
+    ap.add_argument("--code", default=None, help="run `pruner prune` from this checkout instead (PYTHONPATH), e.g. "
+                    "a worktree of an earlier commit, for the wall time against it (the prediction is this code's)")
     args = ap.parse_args()
     if args.sweep is None:
         case(args, args.layers)
