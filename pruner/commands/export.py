@@ -48,6 +48,8 @@ def print_export(done, url) -> None:
           + (", the same greedy tokens)" if done.generation else ")"))
     if done.why_per_layer:
         print(f"per-layer because {done.why_per_layer}")
+    if getattr(done, "note", None):
+        print(f"vanilla, {done.note}")
     print(f"wrote {done.folder}/ (checkpoint, README.md model card, plan.json)")
     if url:
         print(f"pushed to {url}")

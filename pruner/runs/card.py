@@ -40,12 +40,12 @@ def _format_text(fmt: str, model, saved: saving.Saved) -> str:
     if fmt == "dense":
         return ("**dense**: the pruned heads' output-projection columns are zero and every shape is the "
                 "base model's, so it loads wherever the base loads (no memory or speed gain by itself).")
+    q, kv = forms.head_counts(model)
     if saved.layout == "vanilla":
         return ("**compact**: the pruned heads are physically removed (q/k/v rows and output-projection "
-                f"columns); the config says {model.config.num_attention_heads} attention heads"
-                + (f" over {model.config.num_key_value_heads} key/value heads"
-                   if getattr(model.config, "num_key_value_heads", None) else "") + " per layer.")
-    q, kv = forms.head_counts(model)
+                f"columns); the config says {q[0]} attention heads"
+                + (f" over {kv[0]} key/value heads" if getattr(model.config, "num_key_value_heads", None) else "")
+                + " per layer." + (f" It is {saved.note}." if saved.note else ""))
     counts = ", ".join(f"{a}" + (f"/{b}" if getattr(model.config, "num_key_value_heads", None) else "")
                        for a, b in zip(q, kv))
     return ("**compact, per-layer**: the pruned heads are physically removed (q/k/v rows and output-projection "

@@ -87,6 +87,7 @@ class Exported:
     storage_diff: float = 0.0        # max |logit change| that storing in `dtype` itself makes
     why_per_layer: str | None = None
     generation: bool | None = None   # greedy generation with the KV cache identical (None: not a causal LM)
+    note: str | None = None          # vanilla as another family's class (a Llama as MistralForCausalLM): why
 
 
 def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
@@ -115,7 +116,7 @@ def _with_card(run: Run, fmt: str, model, saved: saving.Saved, tmp: Path, out: P
     model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
     size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
-                    saved.why_per_layer, saved.generation)
+                    saved.why_per_layer, saved.generation, saved.note)
 
 
 def write_streamed(run: Run, fmt: str, folder: Path, tmp: Path, out: Path, repo_id: str | None,

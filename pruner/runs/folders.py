@@ -143,6 +143,8 @@ def save_model(result, folder: Path) -> None:
         result.metrics["model_saved"] = False
         result.metrics["model_not_saved_because"] = str(e)
         return
+    if saved.note or saved.why_per_layer:  # a class change, or why no vanilla config holds it: one line each
+        result.metrics["model_note"] = saved.note or f"per-layer because {saved.why_per_layer}"
     result.metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
                           model_bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors")))
 
