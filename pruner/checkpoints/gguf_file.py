@@ -65,17 +65,24 @@ def require() -> None:
         raise GgufError(f"GGUF export needs the gguf package, which is not installed: {INSTALL}") from None
 
 
+def family_refusal(kind: str, uniform: bool) -> str | None:
+    """Why pruner writes no GGUF for a `kind` model (`uniform`: every layer keeps the same heads), naming what
+    would work; None for Llama and Mistral."""
+    if kind in FAMILIES:
+        return None
+    other = ("its uniform plans are vanilla checkpoints: export --format compact and convert with llama.cpp's "
+             "convert_hf_to_gguf.py" if kind in ("qwen2", "qwen3") and uniform else
+             "prune a Llama or Mistral model, or export --format compact (pruner.load / trust_remote_code)")
+    why = {"qwen2": "Qwen2's q/k/v biases", "qwen3": "Qwen3's q/k norms"}.get(kind, f"the {kind} family")
+    return f"pruner writes GGUF for Llama and Mistral (llama.cpp's llama and deci architectures), not {why}: {other}"
+
+
 def refusal(model) -> str | None:
     """Why llama.cpp cannot run this compact model as a GGUF pruner writes, naming what would; None if it can."""
-    kind = model.config.model_type
     q, kv = forms.head_counts(model)
-    uniform = len(set(q)) == 1 and len(set(kv)) == 1 and q[0] > 0
-    if kind not in FAMILIES:
-        other = ("its uniform plans are vanilla checkpoints: export --format compact and convert with llama.cpp's "
-                 "convert_hf_to_gguf.py" if kind in ("qwen2", "qwen3") and uniform else
-                 "prune a Llama or Mistral model, or export --format compact (pruner.load / trust_remote_code)")
-        why = {"qwen2": "Qwen2's q/k/v biases", "qwen3": "Qwen3's q/k norms"}.get(kind, f"the {kind} family")
-        return f"pruner writes GGUF for Llama and Mistral (llama.cpp's llama and deci architectures), not {why}: {other}"
+    family = family_refusal(model.config.model_type, len(set(q)) == 1 and len(set(kv)) == 1)
+    if family:
+        return family
     rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in ROPES:
         return (f"llama.cpp's llama/deci rope takes {', '.join(ROPES)} scaling, not {rope!r}: export --format compact "
@@ -101,10 +108,10 @@ def pre_tokenizer(tokenizer) -> str:
     """llama.cpp's name for how the tokenizer splits text before BPE: `gpt2` for GPT-2's byte-level regex,
     else `default` (llama.cpp knows pre-tokenizers by the hash of known models' outputs, not by their rules)."""
     spec = _tokenizer_json(tokenizer)
-    if spec["model"].get("type") != "BPE" or spec["model"].get("byte_fallback"):
+    kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
+    if kind != "BPE" or fallback:
         raise GgufError("cannot write a GGUF: pruner carries byte-level BPE tokenizers into GGUF, and this one is "
-                        f"{spec['model'].get('type')}{' with byte fallback' if spec['model'].get('byte_fallback') else ''}"
-                        ": export --format compact")
+                        f"{kind}{' with byte fallback' if fallback else ''}: export --format compact")
     pre = spec.get("pre_tokenizer") or {}
     return "gpt2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
 
