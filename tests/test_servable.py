@@ -92,5 +92,5 @@ def test_the_per_layer_form_says_which_runtimes_will_not_load_it(tmp_path, capsy
                  "--set", "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
                 + QUICK) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model/:"))
-    assert "per-layer" in line and "vLLM, TGI, SGLang, llama.cpp and ONNX Runtime GenAI load vanilla checkpoints only" \
-        in line
+    assert "per-layer" in line and "vLLM, TGI, SGLang and ONNX Runtime GenAI load vanilla checkpoints only" in line
+    assert "llama.cpp runs a Llama or Mistral one: pruner export RUN --format gguf" in line
