@@ -41,3 +41,27 @@ def minilm_tokenizer():
     from pruner.core import assets
 
     return AutoTokenizer.from_pretrained(assets.minilm())
+
+
+def _llamacpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The llama_cpp tier (generation in llama.cpp) runs wherever llama-cpp-python is installed; elsewhere its
+    tests are deselected, not skipped into green, and the summary says so in one line."""
+    if _llamacpp_installed():
+        return
+    tier = [item for item in items if item.get_closest_marker("llama_cpp")]
+    if tier:
+        items[:] = [item for item in items if not item.get_closest_marker("llama_cpp")]
+        config.hook.pytest_deselected(items=tier)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _llamacpp_installed():
+        terminalreporter.write_line('llama.cpp tier not run (tests marked llama_cpp): llama-cpp-python is not '
+                                    'installed; pip install "pruner[llamacpp]" to run it (builds llama.cpp, ~13 min '
+                                    'on 2 cores)')

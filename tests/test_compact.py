@@ -138,15 +138,37 @@ def test_uniform_counts_give_a_vanilla_checkpoint(family, tmp_path, word_tokeniz
     assert type(loading.load(tmp_path)) is type(plain)
 
 
-def test_a_head_count_the_config_rejects_is_per_layer(tmp_path, word_tokenizer):
-    """Llama validates hidden_size % num_attention_heads: 3 heads of width 8 in a 32-wide model is per-layer."""
+def test_a_head_count_the_llama_config_rejects_is_a_vanilla_mistral(tmp_path, word_tokenizer):
+    """Llama validates hidden_size % num_attention_heads: 3 heads of width 8 in a 32-wide model is written as
+    MistralForCausalLM (explicit head_dim, no sliding window), which plain transformers loads with the same logits."""
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                                head_dim=8, hidden_size=32, intermediate_size=64, vocab_size=64,
                                                architectures=["LlamaForCausalLM"])).eval()
     surgery.remove_heads(model, {0: [1], 1: [2]})
     saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
-    assert saved.layout == "per-layer" and "transformers rejects a llama config with 3 heads" in saved.why_per_layer
+    assert saved.layout == "vanilla" and "llama config refuses 3 heads" in saved.note
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["architectures"], config["num_attention_heads"], config["head_dim"], config["sliding_window"]) == \
+        (["MistralForCausalLM"], 3, 8, None)
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no remote code
+    batch = pad(ragged_batch(seed=5), 0)
+    assert type(plain) is tf.MistralForCausalLM
+    torch.testing.assert_close(logits(plain, batch), logits(model, batch), rtol=0, atol=1e-5)
+
+
+def test_a_count_llama_refuses_with_a_bias_mistral_cannot_hold_is_per_layer(tmp_path, word_tokenizer):
+    """Mistral has no attention_bias: a Llama with biases at a count its config refuses keeps the per-layer form,
+    and the reason names both refusals in one line."""
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                               head_dim=8, hidden_size=32, intermediate_size=64, vocab_size=64,
+                                               attention_bias=True)).eval()
+    surgery.remove_heads(model, {0: [1], 1: [2]})
+    saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
+    assert saved.layout == "per-layer" and "\n" not in saved.why_per_layer
+    assert "transformers rejects a llama config with 3 heads" in saved.why_per_layer
+    assert "MistralForCausalLM, which takes any head count, has no attention_bias" in saved.why_per_layer
     assert json.loads((tmp_path / "config.json").read_text())["num_attention_heads"] == 4  # the base's, valid
 
 

@@ -78,8 +78,9 @@ def test_the_default_llama_recipe_writes_a_vanilla_checkpoint(tmp_path, capsys):
 @pytest.mark.integration
 def test_refusals_name_the_way_out(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
-    assert main(["prune", recipe, "--out", str(tmp_path / "a"), "--set", "selection.target=0.25"] + QUICK) == 2
-    err = capsys.readouterr().err
+    assert main(["prune", recipe, "--out", str(tmp_path / "a"), "--set", "selection.target=0.1"] + QUICK) == 2
+    err = capsys.readouterr().err  # 0.8 of 8 heads per layer: every multiple of the 2 KV heads is servable, not 0.8
+    assert "keep 6, 4, 2 query heads (selection.target 0.25, 0.5, 0.75)" in err
     assert "is not a servable shape" in err and "selection.shape: any" in err and not (tmp_path / "a").exists()
     assert main(["prune", recipe, "--out", str(tmp_path / "b"), "--set", "selection.budget=global"] + QUICK) == 2
     assert "no vanilla llama config holds" in capsys.readouterr().err
@@ -91,5 +92,5 @@ def test_the_per_layer_form_says_which_runtimes_will_not_load_it(tmp_path, capsy
                  "--set", "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
                 + QUICK) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model/:"))
-    assert "per-layer" in line and "vLLM, TGI, SGLang, llama.cpp and ONNX Runtime GenAI load vanilla checkpoints only" \
-        in line
+    assert "per-layer" in line and "vLLM, TGI, SGLang and ONNX Runtime GenAI load vanilla checkpoints only" in line
+    assert "llama.cpp runs a Llama or Mistral one: pruner export RUN --format gguf" in line

@@ -3,10 +3,13 @@
 Three layouts, chosen by `layout` (never by the user guessing):
 
 - `dense`     -- pruned heads zeroed, every shape the base model's: a vanilla checkpoint.
-- `vanilla`   -- heads physically removed, described by the family's own config: the
-                 same head count in every layer, a family whose attention reads an
-                 explicit `head_dim` (Llama, Mistral, Qwen2, Qwen3; a Qwen2 config gets
-                 the key written), and a config transformers' validation accepts.
+- `vanilla`   -- heads physically removed, described by a vanilla config: the same head
+                 count in every layer, a family whose attention reads an explicit
+                 `head_dim` (Llama, Mistral, Qwen2, Qwen3; a Qwen2 config gets the key
+                 written), and a config transformers' validation accepts. A Llama whose
+                 own config refuses the count (`hidden_size % num_attention_heads`) is
+                 written as `MistralForCausalLM` (`SERVED_AS`): with no sliding window and
+                 no biases it is the same function, and Mistral takes any `head_dim`.
 - `per-layer` -- heads removed where no vanilla config can say it (counts differ
                  between layers; GPT-2, BERT and GPT-NeoX, whose head width is
                  hidden / heads; a head count the config rejects; an output-projection
@@ -19,6 +22,8 @@ Three layouts, chosen by `layout` (never by the user guessing):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pruner.checkpoints import modeling
@@ -27,6 +32,20 @@ from pruner.core import arch
 from pruner.pruning import surgery
 
 LAYOUTS = ("dense", "vanilla", "per-layer")
+# family -> the vanilla family that computes the same function with an explicit head_dim and no divisibility check
+# (Llama's config checks hidden_size % num_attention_heads; Mistral's does not: Mistral-NeMo ships hidden 5120 with
+# 32 heads of 128). Keys a Mistral config has no use for are dropped; the biases it cannot declare are refused.
+SERVED_AS = {"llama": ("mistral", "MistralConfig", "MistralForCausalLM")}
+_NOT_CARRIED = ("attention_bias", "mlp_bias", "pretraining_tp", "model_type", "architectures", "head_dim")
+
+
+@dataclass(frozen=True)
+class Vanilla:
+    """The vanilla checkpoint that holds a compact model."""
+
+    config: object           # the config.json to write
+    architecture: str | None  # the class it names when not the model's own (MistralForCausalLM), else None
+    note: str | None          # why the class changed (model card, export output); None when it did not
 
 
 def bias_not_in_config(model) -> bool:
@@ -66,49 +85,93 @@ def vanilla_updates(model) -> dict:
 
 
 def servable_prunes(model, gqa: str = "equal") -> tuple[int, ...] | None:
-    """Heads per layer a layer can lose while a vanilla config of the family still describes the compact model
-    (the same count in every layer); None for families whose config derives the head width from hidden_size /
-    heads (GPT-2, BERT, GPT-NeoX: no pruned config of theirs is vanilla).
+    """Heads per layer a layer can lose while a vanilla config describes the compact model (the same count in
+    every layer); None for families whose config derives the head width from hidden_size / heads (GPT-2, BERT,
+    GPT-NeoX: no pruned config of theirs is vanilla).
 
     `gqa` "equal" keeps every KV head (the same number of query heads left in each group), "group" removes
-    whole KV groups. Each count is checked by the family's own config validation (transformers' Llama
-    requires hidden_size % heads == 0; Mistral, Qwen2 and Qwen3 do not).
+    whole KV groups. Each count is checked by the family's own config validation, or for Llama, whose config
+    requires hidden_size % heads == 0, by Mistral's (`SERVED_AS`): every multiple of the KV heads is servable.
     """
     if not arch.adapter_for(model).explicit_head_dim:
         return None
-    g, cfg = arch.geometry(model), model.config
-    base = cfg.to_dict()
+    g = arch.geometry(model)
     kept = [(q, g.n_kv_heads) for q in range(g.n_kv_heads, g.n_heads + 1, g.n_kv_heads)] if gqa == "equal" else \
         [(kv * g.group_size, kv) for kv in range(1, g.n_kv_heads + 1)]
     out = []
     for q, kv in kept:
-        try:
-            type(cfg).from_dict({**base, "num_attention_heads": q, "num_key_value_heads": kv, "head_dim": g.head_dim})
-        except Exception:  # noqa: BLE001 - any validation failure means "not expressible"
+        counts = {"num_attention_heads": q, "num_key_value_heads": kv, "head_dim": g.head_dim}
+        if isinstance(_config_for(model.config, counts), str):
             continue
         out.append(g.n_heads - q)
     return tuple(sorted(out))
 
 
-def vanilla_reason(model) -> str | None:
-    """Why no vanilla config describes this compact (heads removed) model, or None when one does."""
+def _config_for(cfg, counts: dict):
+    """A vanilla config with `counts` (head keys): the family's own, else its `SERVED_AS` family's; or why none."""
+    try:  # transformers validates configs on save (e.g. Llama's hidden_size % num_attention_heads)
+        return type(cfg).from_dict({**cfg.to_dict(), **counts})
+    except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
+        why = str(e.__cause__ or e).strip().splitlines()[-1].strip().rstrip(".")  # strict validation wraps the cause
+        refused = f"transformers rejects a {cfg.model_type} config with {counts['num_attention_heads']} heads: {why}"
+    if cfg.model_type not in SERVED_AS:
+        return refused
+    family, config_class, model_class = SERVED_AS[cfg.model_type]
+    biases = [k for k in ("attention_bias", "mlp_bias") if getattr(cfg, k, False)]
+    if biases:
+        return (f"{refused}; {model_class}, which takes any head count, has no {' or '.join(biases)} "
+                "(mean compensation gives the attention projections biases: use refit or zero to get a vanilla one)")
+    import transformers
+
+    d = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_CARRIED}
+    try:
+        return getattr(transformers, config_class).from_dict({**d, **counts, "sliding_window": None})
+    except Exception as e:  # noqa: BLE001 - e.g. rope parameters the other family does not take
+        return f"{refused}; nor does {config_class} hold it: {str(e.__cause__ or e).strip().splitlines()[-1]}"
+
+
+def vanilla_form(model) -> Vanilla | str:
+    """The vanilla config (and class) that holds this compact model, or why none does."""
     kind = model.config.model_type
     if bias_not_in_config(model):
         return f"its output projections have a bias (mean compensation) that the {kind} config cannot declare"
     if not removed_any(model):
-        return None
+        return Vanilla(model.config, None, None)
     if not arch.adapter_for(model).explicit_head_dim:
         return (f"the {kind} config derives the head width from hidden_size / heads, so it cannot describe "
                 "fewer heads of the same width")
     q, kv = head_counts(model)
     if len(set(q)) != 1 or len(set(kv)) != 1:
         return f"its head counts differ between layers ({_counts_text(model)})"
-    try:  # transformers validates configs on save (e.g. Llama's hidden_size % num_attention_heads)
-        type(model.config).from_dict({**model.config.to_dict(), **vanilla_updates(model)})
-    except Exception as e:  # noqa: BLE001 - any validation failure means "not expressible"
-        why = str(e.__cause__ or e).strip().splitlines()[-1].strip().rstrip(".")  # strict validation wraps the cause
-        return f"transformers rejects a {kind} config with {q[0]} heads: {why}"
-    return None
+    config = _config_for(model.config, vanilla_updates(model))
+    if isinstance(config, str) or type(config) is type(model.config):
+        return config if isinstance(config, str) else Vanilla(config, None, None)
+    cls = SERVED_AS[kind][2]
+    g = arch.geometry(model)
+    return Vanilla(config, cls, (
+        f"written as {cls}: transformers' {kind} config refuses {q[0]} heads with hidden size "
+        f"{model.config.hidden_size} (it requires hidden_size % num_attention_heads == 0), while {cls} reads an "
+        f"explicit head_dim ({g.head_dim}); with no sliding window, no biases and the base's rope parameters "
+        f"({model.config.rope_parameters.get('rope_type', 'default')}) it computes the same function"))
+
+
+def vanilla_reason(model) -> str | None:
+    """Why no vanilla config describes this compact (heads removed) model, or None when one does."""
+    form = vanilla_form(model)
+    return form if isinstance(form, str) else None
+
+
+def vanilla_model(model, form: Vanilla):
+    """The compact model as its vanilla checkpoint's class: itself with the head counts in its config, or (a
+    class change, `SERVED_AS`) that class sharing its tensors (no copy)."""
+    if form.architecture is None:
+        if removed_any(model):
+            for key, value in vanilla_updates(model).items():  # Qwen2 gets an explicit head_dim here
+                setattr(model.config, key, value)
+        return model
+    import transformers
+
+    return _sharing(model, getattr(transformers, form.architecture), form.config)
 
 
 def layout(model, removed: bool) -> tuple[str, str | None]:
@@ -148,14 +211,18 @@ def per_layer_config(model):
 def per_layer_model(model):
     """The in-memory compact model as pruner's packaged per-layer class, sharing its tensors (no copy)."""
     config = per_layer_config(model)
-    cls = modeling.per_layer_class(model.config.model_type, type(model).__name__)
+    return _sharing(model, modeling.per_layer_class(model.config.model_type, type(model).__name__), config)
+
+
+def _sharing(model, cls, config):
+    """A `cls(config)` holding `model`'s tensors (no copy): the same weights under another class."""
     with torch.device("meta"):
         new = cls(config)
     state = model.state_dict()
     try:
         new.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:  # the packaged class and the surgery disagree: a pruner bug, say where
-        raise CheckpointError(f"the per-layer {cls.__name__} does not fit the pruned weights: "
+    except RuntimeError as e:  # the other class and the surgery disagree: a pruner bug, say where
+        raise CheckpointError(f"the {cls.__name__} does not fit the pruned weights: "
                               f"{' '.join(str(e).split())[:400]}") from None
     buffers = dict(model.named_buffers())
     for name, _ in list(new.named_buffers()):  # non-persistent buffers (rotary frequencies) are not in state

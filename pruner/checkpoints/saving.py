@@ -45,6 +45,7 @@ class Saved:
     storage_diff: float         # max |logit difference| that rounding to `dtype` itself makes
     generation: bool | None     # greedy generation with the KV cache identical (None: not a causal LM)
     loaded_with: tuple[str, ...]  # the routes the check reloaded it by
+    note: str | None = None     # a vanilla checkpoint written as another family's class: why (layout.SERVED_AS)
 
 
 def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None) -> Saved:
@@ -55,7 +56,7 @@ def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None
     holds the model or the reload does not reproduce it.
     """
     kind, why = forms.layout(model, removed)
-    folder = Path(folder)
+    folder, note = Path(folder), None
     own = next(model.parameters()).dtype
     store = getattr(torch, dtype) if dtype else own
     with stored_as(model, store):
@@ -64,13 +65,12 @@ def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None
             family = model.config.model_type
             shutil.copyfile(modeling.source(family), folder / modeling.file_name(family))
         else:
-            if kind == "vanilla" and forms.removed_any(model):
-                for key, value in forms.vanilla_updates(model).items():  # Qwen2 gets an explicit head_dim here
-                    setattr(model.config, key, value)
-            model.save_pretrained(folder)
+            form = forms.vanilla_form(model) if kind == "vanilla" else None
+            note = form.note if form is not None else None
+            (forms.vanilla_model(model, form) if form is not None else model).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     max_diff, storage_diff, generation, routes = verify(model, folder, kind, store)
-    return Saved(kind, why, str(store).removeprefix("torch."), max_diff, storage_diff, generation, routes)
+    return Saved(kind, why, str(store).removeprefix("torch."), max_diff, storage_diff, generation, routes, note)
 
 
 def check_ids(model) -> torch.Tensor:

@@ -52,6 +52,7 @@ class Planned:
     architecture: str             # the class config.json names
     params: int                   # parameters of the pruned model
     bias: bool                    # the surgery turns on the config's attention bias (every block gets one)
+    note: str | None = None       # a vanilla checkpoint written as another family's class: why
 
 
 def dry_run(lazy: LazyBlocks, heads: dict[int, list[int]], comp: surgery.Compensation, removed: bool) -> Planned:
@@ -59,17 +60,18 @@ def dry_run(lazy: LazyBlocks, heads: dict[int, list[int]], comp: surgery.Compens
     sk = lazy.skeleton()
     (surgery.remove_heads if removed else surgery.mask_heads)(sk, {k: v for k, v in heads.items() if v}, comp)
     kind, why = forms.layout(sk, removed)
+    form = forms.vanilla_form(sk) if kind == "vanilla" else None
     if kind == "per-layer":
         config = forms.per_layer_config(sk)
         name = modeling.per_layer_class(sk.config.model_type, type(sk).__name__).__name__
     else:
-        config, name = sk.config, type(sk).__name__
-        if kind == "vanilla" and forms.removed_any(sk):
-            for key, value in forms.vanilla_updates(sk).items():
-                setattr(config, key, value)
+        config, name = (form.config, form.architecture) if form and form.architecture else (sk.config, type(sk).__name__)
+        if form and form.architecture is None:
+            forms.vanilla_model(sk, form)  # the head counts into its config
     flag = arch.adapter_for(sk).bias_flag
     bias = flag is not None and bool(getattr(sk.config, flag, False)) and not getattr(lazy.model.config, flag, False)
-    return Planned(kind, why, config, name, sum(p.numel() for p in sk.parameters()), bias)
+    return Planned(kind, why, config, name, sum(p.numel() for p in sk.parameters()), bias,
+                   form.note if form else None)
 
 
 def shard_name(i: int, total: int) -> str:
@@ -173,7 +175,7 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     got, want, cached = expected.logits()
     max_diff, generation, route = verify_streamed(folder, lazy.dtype, lazy.device, expected.ids, want, cached)
     return saving.Saved(planned.layout, planned.why_per_layer, str(store).removeprefix("torch."), max_diff,
-                        (want - got).abs().max().item(), generation, (route,))
+                        (want - got).abs().max().item(), generation, (route,), planned.note)
 
 
 def _write_rest(lazy: LazyBlocks, planned: Planned, tokenizer, folder: Path, store: torch.dtype, index: dict,

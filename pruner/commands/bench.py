@@ -23,10 +23,13 @@ def add_parser(sub, common) -> None:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="run the models in this dtype (default: the recipe's model.dtype)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--runtime", choices=("pytorch", "onnxruntime-genai"), default="pytorch",
+    p.add_argument("--runtime", choices=("pytorch", "onnxruntime-genai", "llama.cpp"), default="pytorch",
                    help="pytorch: both models in this process; onnxruntime-genai: both converted by ONNX Runtime "
                         "GenAI's builder (float32, CPU; the compact model must be vanilla) and timed there, each "
-                        "round a fresh process per model (bench-onnxruntime-genai.json / .md)")
+                        "round a fresh process per model (bench-onnxruntime-genai.json / .md); llama.cpp: both "
+                        "written as GGUF (--dtype, default float16; any Llama or Mistral plan, layers may differ) "
+                        "and timed in llama.cpp through llama-cpp-python, decode at batch 1, each round a fresh "
+                        "process per model (bench-llama.cpp.json / .md)")
     p.add_argument("--out", help="folder for bench.json and bench.md (default: RUN_DIR)")
     p.set_defaults(func=run)
 
@@ -67,9 +70,13 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise PermissionError(f"cannot write {out}/bench.json: permission denied")
-    onnx = args.runtime == "onnxruntime-genai"
-    result = folders.bench_run_onnx(args.run_dir, cfg) if onnx else folders.bench_run(args.run_dir, cfg, args.dtype)
-    stem = "bench-onnxruntime-genai" if onnx else "bench"
+    if args.runtime == "onnxruntime-genai":
+        result = folders.bench_run_onnx(args.run_dir, cfg)
+    elif args.runtime == "llama.cpp":
+        result = folders.bench_run_llamacpp(args.run_dir, cfg, args.dtype)
+    else:
+        result = folders.bench_run(args.run_dir, cfg, args.dtype)
+    stem = "bench" if args.runtime == "pytorch" else f"bench-{args.runtime}"
     for name, text in ((f"{stem}.json", json.dumps(result.to_dict(), indent=1) + "\n"),
                        (f"{stem}.md", f"# What the compact model buys\n\n{result.markdown()}\n")):
         tmp = out / f".{name}.tmp"

@@ -13,15 +13,17 @@ def add_parser(sub, common) -> None:
                                    "card, check that it reloads (logits and greedy generation), and optionally "
                                    "push it to the Hub.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="output folder of `pruner prune`")
-    p.add_argument("--format", required=True, choices=("dense", "compact", "onnx"),
+    p.add_argument("--format", required=True, choices=("dense", "compact", "onnx", "gguf"),
                    help="dense: pruned heads zeroed, original shapes, loads anywhere; compact: heads removed, "
                         "smaller -- a vanilla checkpoint where the family's config can describe it, else the "
                         "per-layer form (trust_remote_code=True, or pruner.load); onnx: the vanilla compact "
                         "model through ONNX Runtime GenAI's builder for the CPU, its generations checked "
-                        "(needs the onnx extra)")
+                        "(needs the onnx extra); gguf: one GGUF file for llama.cpp (Llama and Mistral; layers may "
+                        "keep different head counts), its generations checked in llama.cpp where llama-cpp-python "
+                        "is installed (the gguf extra; llamacpp for the check)")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"),
                    help="storage dtype (default: the recipe's export.dtype; auto = the base checkpoint's own); "
-                        "onnx: the ONNX precision (default float32)")
+                        "onnx: the ONNX precision (default float32); gguf: the matrices' type (norms stay float32)")
     p.add_argument("--out", help="export folder (default: RUN_DIR/export-FORMAT)")
     p.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload to this Hub model repo (created if needed)")
     p.add_argument("--private", action="store_true", help="create the Hub repo as private")
@@ -33,6 +35,17 @@ def add_parser(sub, common) -> None:
 
 
 def print_export(done, url) -> None:
+    if done.format == "gguf":
+        arch = done.layout.removeprefix("gguf-")
+        print(f"exported a GGUF for llama.cpp (architecture {arch}, {done.dtype}): {done.params:,} parameters, "
+              f"{done.bytes / 1e6:.1f} MB; " + ("llama.cpp's greedy generations equal PyTorch's (float32)"
+                                                if done.generation else _skipped()))
+        if done.note:
+            print(f"tokenizer: {done.note}")
+        print(f"wrote {done.folder}/ (model.gguf, README.md model card, plan.json)")
+        if url:
+            print(f"pushed to {url}")
+        return
     if done.format == "onnx":
         print(f"exported an ONNX Runtime GenAI model ({done.dtype}, CPU): {done.params:,} parameters, "
               f"{done.bytes / 1e6:.1f} MB; its greedy generations equal PyTorch's")
@@ -48,9 +61,17 @@ def print_export(done, url) -> None:
           + (", the same greedy tokens)" if done.generation else ")"))
     if done.why_per_layer:
         print(f"per-layer because {done.why_per_layer}")
+    if getattr(done, "note", None):
+        print(f"vanilla, {done.note}")
     print(f"wrote {done.folder}/ (checkpoint, README.md model card, plan.json)")
     if url:
         print(f"pushed to {url}")
+
+
+def _skipped() -> str:
+    from pruner.checkpoints import llamacpp
+
+    return llamacpp.skipped_note() + "; its structure was checked with the gguf reader"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,9 +93,12 @@ def print_summary(m: dict, out, compensated: bool) -> None:
     else:
         how = {"vanilla": "loads with plain from_pretrained, and in serving engines and exporters",
                "per-layer": "pruner.load(path), or from_pretrained with trust_remote_code=True; vLLM, TGI, "
-                            "SGLang, llama.cpp and ONNX Runtime GenAI load vanilla checkpoints only"
+                            "SGLang and ONNX Runtime GenAI load vanilla checkpoints only; llama.cpp runs a Llama or "
+                            "Mistral one: pruner export RUN --format gguf"
                }.get(m["model_layout"], "loads with plain from_pretrained")
         print(f"model/: the compact model ({m['model_layout']}; {how}): {m['params_after']:,} parameters "
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
+        if m.get("model_note"):
+            print(f"model/: {m['model_note']}")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
           + (f", {runs.COMPENSATION_FILE})" if compensated else ")"))

@@ -31,7 +31,22 @@ def _pipeline_tag(config) -> str:
     return "fill-mask" if runtime.is_masked_lm(config) else "feature-extraction"
 
 
-def _format_text(fmt: str, model, saved: saving.Saved) -> str:
+def _gguf_text(model, saved: saving.Saved, gplan) -> str:
+    counts = ", ".join(f"{a}/{b}" for a, b in zip(gplan.q_heads, gplan.kv_heads))
+    how = ("every layer keeps the same heads" if gplan.arch == "llama" else
+           "its layers keep different head counts, which llama.cpp's `deci` architecture reads per layer")
+    proof = ("llama.cpp's greedy generation from a float32 GGUF of this model was checked against PyTorch's before "
+             "this folder was written" if saved.generation else
+             "llama.cpp's generation was not checked when this was written (llama-cpp-python was not installed); "
+             "its structure (per-layer head counts, tensor shapes) was")
+    return (f"**GGUF (llama.cpp)**: `model.gguf`, architecture `{gplan.arch}` ({how}; query/key-value heads per "
+            f"layer: {counts}; head width {gplan.head_dim}), stored in {saved.dtype}, the tokenizer and its special "
+            f"tokens inside; {proof}." + (f" {saved.note[0].upper()}{saved.note[1:]}." if saved.note else ""))
+
+
+def _format_text(fmt: str, model, saved: saving.Saved, gplan=None) -> str:
+    if fmt == "gguf":
+        return _gguf_text(model, saved, gplan)
     if fmt == "onnx":
         return ("**ONNX (ONNX Runtime GenAI)**: the vanilla compact checkpoint (pruned heads physically removed; "
                 f"{model.config.num_attention_heads} attention heads per layer) converted by ONNX Runtime GenAI's "
@@ -40,12 +55,12 @@ def _format_text(fmt: str, model, saved: saving.Saved) -> str:
     if fmt == "dense":
         return ("**dense**: the pruned heads' output-projection columns are zero and every shape is the "
                 "base model's, so it loads wherever the base loads (no memory or speed gain by itself).")
+    q, kv = forms.head_counts(model)
     if saved.layout == "vanilla":
         return ("**compact**: the pruned heads are physically removed (q/k/v rows and output-projection "
-                f"columns); the config says {model.config.num_attention_heads} attention heads"
-                + (f" over {model.config.num_key_value_heads} key/value heads"
-                   if getattr(model.config, "num_key_value_heads", None) else "") + " per layer.")
-    q, kv = forms.head_counts(model)
+                f"columns); the config says {q[0]} attention heads"
+                + (f" over {kv[0]} key/value heads" if getattr(model.config, "num_key_value_heads", None) else "")
+                + " per layer." + (f" It is {saved.note}." if saved.note else ""))
     counts = ", ".join(f"{a}" + (f"/{b}" if getattr(model.config, "num_key_value_heads", None) else "")
                        for a, b in zip(q, kv))
     return ("**compact, per-layer**: the pruned heads are physically removed (q/k/v rows and output-projection "
@@ -58,6 +73,12 @@ def _format_text(fmt: str, model, saved: saving.Saved) -> str:
 
 
 def _load_lines(cls: str, where: str, saved: saving.Saved, model) -> list[str]:
+    if saved.layout == "gguf":
+        return ["```bash", f"llama-cli -m {where}/model.gguf -p \"To be\"", "```", "", "```python",
+                "from llama_cpp import Llama", "", f'llm = Llama("{where}/model.gguf")',
+                'print(llm("To be", max_tokens=32)["choices"][0]["text"])', "```", "",
+                "llama.cpp (or what is built on it: llama-cpp-python, Ollama, LM Studio) runs it; no pruner or "
+                "transformers code is needed."]
     if saved.layout == "onnx":
         return ["```python", "import onnxruntime_genai as og", "",
                 f'model = og.Model("{where}")', "tokenizer = og.Tokenizer(model)",
@@ -115,7 +136,7 @@ def _storage_text(run: Run, saved: saving.Saved) -> str:
                "the model pruner evaluated" if saved.storage_diff > 0 else ""))
 
 
-def _what_was_pruned(run: Run, fmt: str, model, params: int, saved: saving.Saved) -> list[str]:
+def _what_was_pruned(run: Run, fmt: str, model, params: int, saved: saving.Saved, gplan=None) -> list[str]:
     """The card's "What was pruned and how" list, then the notes on sensitivity, base check and refit."""
     m, r = run.metrics, run.recipe
     g = arch.geometry(model)
@@ -129,7 +150,7 @@ def _what_was_pruned(run: Run, fmt: str, model, params: int, saved: saving.Saved
         f"- pruned: {m['pruned_heads']} of {m['total_heads']} heads ({g.n_layers} layers x {g.n_heads} heads); "
         f"per layer: {per_layer} (full list in `plan.json`)",
         f"- compensation: {_compensation_text(run, model)}",
-        f"- format: {_format_text(fmt, model, saved)}",
+        f"- format: {_format_text(fmt, model, saved, gplan)}",
         _storage_text(run, saved),
         f"- parameters: {m['params_before']:,} (base) -> {params:,} (this checkpoint)",
         f"- calibration: {cal.num_samples} {cal.unit} of {cal.length} tokens from `{cal.data}`; "
@@ -148,6 +169,9 @@ def _results(run: Run, params: int, saved: saving.Saved) -> list[str]:
         "model on the same windows; 95% bootstrap CI over windows. Measured with the pruned heads masked in "
         + ("memory; this ONNX model's greedy generations (ONNX Runtime GenAI, KV cache) equal PyTorch's on the same "
            "compact checkpoint." if saved.layout == "onnx" else
+           "memory; this GGUF holds the compact model's tensors (read back with the gguf reader)"
+           + ("; llama.cpp's greedy generations from it (float32) equal PyTorch's." if saved.generation else ".")
+           if saved.layout == "gguf" else
            "memory; this checkpoint reproduces those logits: reloaded and compared with that model (rounded to the "
            "storage dtype) to 1e-5" + (", and greedy generation with the KV cache gives the same tokens"
                                        if saved.generation else "") + "."), "",
@@ -156,15 +180,17 @@ def _results(run: Run, params: int, saved: saving.Saved) -> list[str]:
 
 
 def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = None,
-               saved: saving.Saved | None = None):
-    """A huggingface_hub ModelCard: YAML metadata, what was pruned and how, results, recipe, loading."""
+               saved: saving.Saved | None = None, gplan=None):
+    """A huggingface_hub ModelCard: YAML metadata, what was pruned and how, results, recipe, loading. `gplan`:
+    a GGUF export's `gguf_file.Plan`."""
     from huggingface_hub import ModelCard, ModelCardData
 
     m, r = run.metrics, run.recipe
     base = _hub_base(r.model.path)
     saved = saved or saving.Saved("dense" if fmt == "dense" else "vanilla", None, "float32", 0.0, 0.0, None, ())
     tags = ["pruned", "attention-head-pruning", "pruner", model.config.model_type]
-    data = ModelCardData(base_model=base, library_name="transformers", pipeline_tag=_pipeline_tag(model.config),
+    data = ModelCardData(base_model=base, library_name="gguf" if fmt == "gguf" else "transformers",
+                         pipeline_tag=_pipeline_tag(model.config),
                          tags=tags + (["custom_code"] if saved.layout == "per-layer" else []))
     cls = runtime.auto_class(model.config).__name__
     title_fmt = "compact, per-layer" if saved.layout == "per-layer" else fmt
@@ -172,7 +198,7 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
         f"# {r.model.path}, {m['pruned_heads']} of {m['total_heads']} attention heads pruned ({title_fmt})", "",
         f"Attention heads of {_base_text(r.model.path, base)} pruned with pruner (sink-aware attention-head "
         "pruning: heads are scored with the attention sink and the content channel separated).", "",
-        *_what_was_pruned(run, fmt, model, params, saved),
+        *_what_was_pruned(run, fmt, model, params, saved, gplan),
         *_results(run, params, saved),
         "## How to load", "",
         *_load_lines(cls, repo_id or "path/to/this/folder", saved, model), "",

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from pruner.checkpoints import layout as forms
-from pruner.checkpoints import loading, onnx, saving, storage, streamed
+from pruner.checkpoints import gguf_file, llamacpp, loading, onnx, saving, storage, streamed
 from pruner.checkpoints.lazy import lazy_model
 from pruner.core import distributed, outputs, runtime
 from pruner.core.redact import redact
@@ -49,7 +49,7 @@ from pruner.runs.card import model_card
 from pruner.runs.context import sequential_folder
 from pruner.runs.folders import Run, load_run, recipe_storage_dtype, save_checkpoint
 
-FORMATS = ("dense", "compact", "onnx")
+FORMATS = ("dense", "compact", "onnx", "gguf")
 ATOL = saving.ATOL
 ExportError = storage.CheckpointError  # a checkpoint that cannot be written (or would not reload)
 
@@ -59,8 +59,9 @@ class PushError(OSError):
 
 
 def rebuild(run: Run, fmt: str):
-    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation (`onnx`: the compact one)."""
-    fmt = "compact" if fmt == "onnx" else fmt
+    """The pruned model in `fmt` (and its tokenizer): base + plan heads + compensation (`onnx`, `gguf`: the
+    compact one)."""
+    fmt = "compact" if fmt in ("onnx", "gguf") else fmt
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
     model = loading.load_base(run.recipe.model)
@@ -87,6 +88,7 @@ class Exported:
     storage_diff: float = 0.0        # max |logit change| that storing in `dtype` itself makes
     why_per_layer: str | None = None
     generation: bool | None = None   # greedy generation with the KV cache identical (None: not a causal LM)
+    note: str | None = None          # vanilla as another family's class (a Llama as MistralForCausalLM): why
 
 
 def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
@@ -95,13 +97,23 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
     out = Path(out)
     if fmt == "onnx":
         onnx.require()  # a missing extra fails before anything is rebuilt
-    folder = sequential_folder(run.recipe) if fmt != "onnx" else None
+    if fmt == "gguf":  # a missing extra, or a family llama.cpp cannot take, fails before anything is rebuilt
+        gguf_file.require()
+        m = run.recipe.model
+        config = {"model_type": "bert"} if m.mlm_readout else loading.read_config(m.path)
+        counts = {len(run.heads.get(i, [])) for i in range(config.get("num_hidden_layers") or len(run.heads))}
+        why = gguf_file.family_refusal(config["model_type"], len(counts) == 1)
+        if why:
+            raise ExportError(f"cannot write a GGUF: {why}")
+    folder = sequential_folder(run.recipe) if fmt in ("dense", "compact") else None
     with outputs.atomic_dir(out, overwrite) as tmp:  # an existing `out` is refused before the rebuild
         if folder is not None:  # the recipe reads the base a block at a time: so does the export
             return write_streamed(run, fmt, folder, tmp, out, repo_id, dtype)
         model, tokenizer = rebuild(run, fmt)
         if fmt == "onnx":
             return write_onnx(run, model, tokenizer, tmp, out, repo_id, dtype if dtype in onnx.PRECISIONS else "float32")
+        if fmt == "gguf":
+            return write_gguf(run, model, tokenizer, tmp, out, repo_id, storage_dtype(run, dtype))
         saved = save_checkpoint(model, tokenizer, tmp, fmt == "compact", storage_dtype(run, dtype))
         return _with_card(run, fmt, model, saved, tmp, out, repo_id)
 
@@ -115,7 +127,7 @@ def _with_card(run: Run, fmt: str, model, saved: saving.Saved, tmp: Path, out: P
     model_card(run, fmt, model, params, repo_id, saved).save(tmp / "README.md")
     size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
     return Exported(out, fmt, params, size, saved.max_diff, saved.layout, saved.dtype, saved.storage_diff,
-                    saved.why_per_layer, saved.generation)
+                    saved.why_per_layer, saved.generation, saved.note)
 
 
 def write_streamed(run: Run, fmt: str, folder: Path, tmp: Path, out: Path, repo_id: str | None,
@@ -153,6 +165,32 @@ def write_onnx(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | 
     model_card(run, "onnx", model, params, repo_id, saved).save(tmp / "README.md")
     size = sum(f.stat().st_size for f in tmp.iterdir() if f.name.startswith("model.onnx"))
     return Exported(out, "onnx", params, size, 0.0, "onnx", dtype, 0.0, None, True)
+
+
+def write_gguf(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | None, dtype: str) -> Exported:
+    """The compact model as one GGUF file for llama.cpp (`llama` when every layer keeps the same heads, `deci`
+    otherwise), its structure read back, and -- with llama-cpp-python installed -- its greedy generation in
+    llama.cpp checked against PyTorch's on a float32 GGUF of the same model."""
+    model = model.float().eval()  # the check compares float32 with float32
+    gplan = gguf_file.plan(model, tokenizer)  # refused in one line before anything is written
+    path = tmp / "model.gguf"
+    gguf_file.write(model, tokenizer, path, dtype, gplan)
+    gguf_file.check_structure(path, model, gplan, dtype)
+    proved = None
+    if llamacpp.available():
+        with tempfile.TemporaryDirectory(prefix="pruner-gguf-") as twin:
+            checked = path if dtype == "float32" else Path(twin) / "model-float32.gguf"
+            if checked != path:
+                gguf_file.write(model, tokenizer, checked, "float32", gplan)
+            llamacpp.check(checked, model)
+        proved = True
+    shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
+    params = sum(p.numel() for p in model.parameters())
+    note = gguf_file.tokenizer_note(gplan.pre)
+    saved = saving.Saved("gguf", None, dtype, 0.0, 0.0, proved, ("llama.cpp",) if proved else (), note)
+    model_card(run, "gguf", model, params, repo_id, saved, gplan).save(tmp / "README.md")
+    return Exported(out, "gguf", params, path.stat().st_size, 0.0, f"gguf-{gplan.arch}", dtype, 0.0, None, proved,
+                    note)
 
 
 def commit_message(run: Run, fmt: str) -> str:

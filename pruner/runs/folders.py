@@ -143,6 +143,8 @@ def save_model(result, folder: Path) -> None:
         result.metrics["model_saved"] = False
         result.metrics["model_not_saved_because"] = str(e)
         return
+    if saved.note or saved.why_per_layer:  # a class change, or why no vanilla config holds it: one line each
+        result.metrics["model_note"] = saved.note or f"per-layer because {saved.why_per_layer}"
     result.metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
                           model_bytes=sum(f.stat().st_size for f in folder.glob("*.safetensors")))
 
@@ -208,7 +210,7 @@ def bench_run(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), dtype: str 
     return bench(base, pruned, cfg, checkpoint_dtype(run.recipe.model, base), progress)
 
 
-RUNTIMES = ("pytorch", "onnxruntime-genai")
+RUNTIMES = ("pytorch", "onnxruntime-genai", "llama.cpp")
 
 
 def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progress: bool = True) -> BenchResult:
@@ -251,4 +253,46 @@ def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progre
         runs = onnx_timing.measure(folders, cfg, base.config.vocab_size, progress)
         result = onnx_timing.compare(base, pruned, folders, cfg, runs, itemsize=4)
     result.conditions.update(load_average_before=load, load_average_after=[round(x, 2) for x in os.getloadavg()])
+    return result
+
+
+def bench_run_llamacpp(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), dtype: str | None = None,
+                       progress: bool = True) -> BenchResult:
+    """`pruner bench RUN_DIR --runtime llama.cpp`: the base and the run's compact model, each written as a GGUF
+    (`dtype`, default float16; the compact one `llama` or `deci`), timed in llama.cpp, decode at batch 1.
+
+    Any plan of a Llama or Mistral model: llama.cpp's deci architecture runs layers with different head counts.
+    """
+    import dataclasses
+    import tempfile
+
+    from pruner.checkpoints import gguf_file, llamacpp
+    from pruner.evaluation import llamacpp_timing
+
+    gguf_file.require()
+    if not llamacpp.available():
+        raise ValueError(f"bench --runtime llama.cpp needs llama-cpp-python, which is not installed: {llamacpp.INSTALL}")
+    run = load_run(Path(run_dir))
+    if run.recipe.model.path == "(in memory)":
+        raise ValueError(f"{run_dir} was pruned from a model built in memory: bench needs its base")
+    dtype = dtype or "float16"
+    base = loading.load_base(run.recipe.model.model_copy(update={"dtype": "float32"}))
+    pruned = compact_copy(base, run.heads, run.bias)
+    tokenizer = loading.load_tokenizer(run.recipe.model.path, trust_remote_code=run.recipe.model.trust_remote_code)
+    plans = {"base": gguf_file.plan(base, tokenizer), "pruned": gguf_file.plan(pruned, tokenizer)}  # refusals first
+    if not any(b == 1 for b, _ in cfg.decode):
+        raise ValueError("bench --runtime llama.cpp decodes at batch 1: give --decode 1xPROMPT")
+    context = base.config.max_position_embeddings
+    cfg = dataclasses.replace(
+        cfg, lengths=tuple(sorted({min(T, context - 1) for T in cfg.lengths})),
+        decode=tuple(sorted({(1, min(p, context - cfg.new_tokens - 1)) for b, p in cfg.decode if b == 1})))
+    with tempfile.TemporaryDirectory(prefix="pruner-bench-gguf-") as tmp:
+        files = {name: Path(tmp) / f"{name}.gguf" for name in plans}
+        for name, model in (("base", base), ("pruned", pruned)):
+            gguf_file.write(model, tokenizer, files[name], dtype, plans[name])
+        load = [round(x, 2) for x in os.getloadavg()]
+        runs = llamacpp_timing.measure(files, cfg, base.config.vocab_size, progress)
+        result = llamacpp_timing.compare(base, pruned, files, cfg, runs, itemsize=4 if dtype == "float32" else 2)
+    result.conditions.update(dtype=dtype, gguf_arch={k: v.arch for k, v in plans.items()}, load_average_before=load,
+                             load_average_after=[round(x, 2) for x in os.getloadavg()])
     return result

@@ -108,7 +108,8 @@ def selection_config(recipe: Recipe, model=None, target: float | None = None, bu
     budget = budget or s.budget
     if shapes is not None and budget == "global":
         raise SelectionError(f"selection.budget: global lets layers keep different head counts, which no vanilla "
-                             f"{model.config.model_type} config holds; set selection.shape: any (the per-layer form) "
+                             f"{model.config.model_type} config holds; set selection.shape: any (the per-layer form, "
+                             "which llama.cpp runs for Llama and Mistral: export --format gguf) "
                              "or leave the budget to the servable shape (the same count in every layer)")
     return SelectionConfig(target=s.target if target is None else target,
                            budget=budget or ("layer" if shapes is not None else "global"),

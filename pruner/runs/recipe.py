@@ -177,7 +177,7 @@ class EvaluationSpec(DataSpec):
 class ExportSpec(_Strict):
     """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
 
-    format: Literal["none", "dense", "compact", "onnx"] = "none"
+    format: Literal["none", "dense", "compact", "onnx", "gguf"] = "none"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="storage dtype of saved checkpoints (model/ and exports); auto: the base checkpoint's own")
     push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")

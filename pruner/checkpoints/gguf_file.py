@@ -1,0 +1,325 @@
+"""GGUF for llama.cpp: a compact Llama-family decoder written with llama.cpp's own Python writer (`gguf`).
+
+Two llama.cpp architectures hold a pruned Llama or Mistral:
+
+- `llama` when every layer keeps the same heads (what `selection.shape: servable` prunes);
+- `deci`, the architecture llama.cpp runs NVIDIA's Nemotron-NAS models with, when layers keep different
+  head counts or a layer lost every head: it reads `attention.head_count` / `attention.head_count_kv` as
+  per-layer arrays and sizes each layer's q/k/v/o from them (0 heads would be a layer without attention;
+  pruner's surgery keeps at least one head per layer). Its block is otherwise Llama's, the
+  output-projection bias included.
+
+Both carry the key/value length and rope dimension explicitly (the head width stays the base's whatever
+the head count). transformers' Llama rotates the two halves of a head (`rotate_half`); llama.cpp's rope for
+these architectures rotates adjacent pairs, so q and k rows are permuted within each head as llama.cpp's
+converter does. Llama 3's scaled rope goes in as the `rope_freqs` tensor of per-frequency divisors.
+The byte-level BPE tokenizer goes in with its special tokens; llama.cpp knows pre-tokenizers by name, so a
+GPT-2-style one is written as `gpt2` and any other as `default` (token ids are unaffected; text may split
+differently: `tokenizer_note` says so). 1-D tensors (norms, biases, rope factors) are float32, as llama.cpp's
+converter stores them; matrices in the export dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pruner.checkpoints import layout as forms
+from pruner.checkpoints.storage import CheckpointError
+from pruner.core import arch
+
+FAMILIES = ("llama", "mistral")
+DTYPES = ("float32", "float16", "bfloat16")
+ROPES = ("default", "linear", "llama3")
+INSTALL = 'pip install "pruner[gguf]"  (the gguf package, llama.cpp\'s own writer)'
+_GPT2_STYLE = {"type": "ByteLevel", "use_regex": True}
+_TENSORS = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+            "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+class GgufError(CheckpointError):
+    """A model llama.cpp cannot run in this form, or a GGUF that does not reproduce it; one line, what would work."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the GGUF of a compact model holds."""
+
+    arch: str                       # llama | deci
+    q_heads: tuple[int, ...]        # query heads per layer
+    kv_heads: tuple[int, ...]       # key/value heads per layer
+    head_dim: int
+    pre: str                        # llama.cpp pre-tokenizer name
+
+
+def require() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise GgufError(f"GGUF export needs the gguf package, which is not installed: {INSTALL}") from None
+
+
+def family_refusal(kind: str, uniform: bool) -> str | None:
+    """Why pruner writes no GGUF for a `kind` model (`uniform`: every layer keeps the same heads), naming what
+    would work; None for Llama and Mistral."""
+    if kind in FAMILIES:
+        return None
+    other = ("its uniform plans are vanilla checkpoints: export --format compact and convert with llama.cpp's "
+             "convert_hf_to_gguf.py" if kind in ("qwen2", "qwen3") and uniform else
+             "prune a Llama or Mistral model, or export --format compact (pruner.load / trust_remote_code)")
+    why = {"qwen2": "Qwen2's q/k/v biases", "qwen3": "Qwen3's q/k norms"}.get(kind, f"the {kind} family")
+    return f"pruner writes GGUF for Llama and Mistral (llama.cpp's llama and deci architectures), not {why}: {other}"
+
+
+def refusal(model) -> str | None:
+    """Why llama.cpp cannot run this compact model as a GGUF pruner writes, naming what would; None if it can."""
+    q, kv = forms.head_counts(model)
+    family = family_refusal(model.config.model_type, len(set(q)) == 1 and len(set(kv)) == 1)
+    if family:
+        return family
+    rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in ROPES:
+        return (f"llama.cpp's llama/deci rope takes {', '.join(ROPES)} scaling, not {rope!r}: export --format compact "
+                "for transformers")
+    if getattr(model.config, "sliding_window", None):
+        return ("llama.cpp's llama/deci architectures attend to the whole context, and this model has a sliding "
+                f"window of {model.config.sliding_window}: export --format compact for transformers")
+    return None
+
+
+def plan(model, tokenizer) -> Plan:
+    """The GGUF plan of a compact model, or GgufError before anything is written."""
+    why = refusal(model)
+    if why:
+        raise GgufError(f"cannot write a GGUF: {why}")
+    q, kv = forms.head_counts(model)
+    uniform = len(set(q)) == 1 and len(set(kv)) == 1
+    return Plan("llama" if uniform else "deci", tuple(q), tuple(kv), arch.geometry(model).head_dim,
+                pre_tokenizer(tokenizer))
+
+
+def pre_tokenizer(tokenizer) -> str:
+    """llama.cpp's name for how the tokenizer splits text before BPE: `gpt2` for GPT-2's byte-level regex,
+    else `default` (llama.cpp knows pre-tokenizers by the hash of known models' outputs, not by their rules)."""
+    spec = _tokenizer_json(tokenizer)
+    kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
+    if kind != "BPE" or fallback:
+        raise GgufError("cannot write a GGUF: pruner carries byte-level BPE tokenizers into GGUF, and this one is "
+                        f"{kind}{' with byte fallback' if fallback else ''}: export --format compact")
+    pre = spec.get("pre_tokenizer") or {}
+    return "gpt2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
+
+
+def tokenizer_note(pre: str) -> str | None:
+    return None if pre == "gpt2" else (
+        "llama.cpp does not know this tokenizer's pre-tokenizer, so the file names `default`: token ids given "
+        "directly are exact; text may split into other tokens than transformers' in places")
+
+
+def _tokenizer_json(tokenizer) -> dict:
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise GgufError("cannot write a GGUF: the tokenizer has no tokenizer.json (a fast tokenizer) to carry")
+    return json.loads(backend.to_str())
+
+
+def write(model, tokenizer, path: Path, dtype: str, gplan: Plan) -> None:
+    """Write the compact `model` (+ tokenizer) as one GGUF file at `path` in `dtype`, a tensor at a time."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), gplan.arch)
+    _metadata(w, model, gplan, dtype)
+    _vocab(w, tokenizer, model.config.vocab_size, gplan.pre)
+    tensors = list(_tensors(model, gplan))
+    for name, t in tensors:
+        w.add_tensor_info(name, tuple(t.shape), _np_dtype(t, dtype), t.numel() * _itemsize(t, dtype),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16 if _stored(t, dtype) == torch.bfloat16 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, t in tensors:
+        w.write_tensor_data(_array(t, dtype))
+    w.close()
+
+
+def _stored(t: torch.Tensor, dtype: str) -> torch.dtype:
+    return torch.float32 if t.dim() < 2 else getattr(torch, dtype)
+
+
+def _itemsize(t, dtype) -> int:
+    return torch.empty(0, dtype=_stored(t, dtype)).element_size()
+
+
+def _np_dtype(t, dtype):
+    import numpy as np
+
+    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+            torch.bfloat16: np.dtype(np.int16)}[_stored(t, dtype)]
+
+
+def _array(t: torch.Tensor, dtype: str):
+    s = t.detach().to("cpu", _stored(t, dtype)).contiguous()
+    return (s.view(torch.int16) if s.dtype == torch.bfloat16 else s).numpy()
+
+
+def _metadata(w, model, gplan: Plan, dtype: str) -> None:
+    import gguf
+
+    cfg = model.config
+    ftype = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+             "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    w.add_name(f"{getattr(cfg, '_name_or_path', '') or cfg.model_type} (pruned by pruner)")
+    w.add_file_type(ftype)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(gplan.q_heads[0] if gplan.arch == "llama" else list(gplan.q_heads))
+    w.add_head_count_kv(gplan.kv_heads[0] if gplan.arch == "llama" else list(gplan.kv_heads))
+    w.add_key_length(gplan.head_dim)
+    w.add_value_length(gplan.head_dim)
+    w.add_rope_dimension_count(gplan.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _vocab(w, tokenizer, vocab_size: int, pre: str) -> None:
+    """Tokens (padded to the model's vocabulary with unused `[PAD<i>]`), types, merges and special tokens."""
+    import gguf
+
+    spec = _tokenizer_json(tokenizer)
+    ids = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    if max(ids.values()) >= vocab_size:
+        raise GgufError(f"cannot write a GGUF: the tokenizer has ids up to {max(ids.values())} and the model "
+                        f"{vocab_size} embeddings")
+    by_id = {i: tok for tok, i in ids.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(by_id[i])
+        types.append(gguf.TokenType.NORMAL if i not in added else
+                     gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("pad", w.add_pad_token_id),
+                      ("unk", w.add_unk_token_id)):
+        tid = getattr(tokenizer, f"{name}_token_id", None)
+        if tid is not None:
+            add(int(tid))
+    probe = tokenizer("a")["input_ids"]
+    w.add_add_bos_token(bool(probe) and probe[0] == tokenizer.bos_token_id)
+    w.add_add_eos_token(bool(probe) and probe[-1] == tokenizer.eos_token_id and len(probe) > 1)
+    if isinstance(getattr(tokenizer, "chat_template", None), str):
+        w.add_chat_template(tokenizer.chat_template)
+
+
+def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' rotate-half rows -> llama.cpp's adjacent-pair rows, within each of `heads` heads. (rows, ...)"""
+    if heads == 0:
+        return t
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _tensors(model, gplan: Plan):
+    """(GGUF name, tensor) in file order: embeddings, each block (attention only where it keeps heads), head."""
+    state = model.state_dict()
+    base = model.base_model_prefix
+    yield "token_embd.weight", state[f"{base}.embed_tokens.weight"]
+    for i in range(model.config.num_hidden_layers):
+        prefix = f"{base}.layers.{i}."
+        for hf, name in _TENSORS.items():
+            if gplan.q_heads[i] == 0 and (hf.startswith("self_attn") or hf.startswith("input_layernorm")):
+                continue  # llama.cpp's attention-free deci layer: no norm, no projections
+            for leaf in (("",) if hf.endswith(".weight") else (".weight", ".bias")):
+                key = prefix + hf + leaf
+                if key not in state:
+                    continue
+                t = state[key]
+                if hf == "self_attn.q_proj":
+                    t = _permute(t, gplan.q_heads[i])
+                elif hf == "self_attn.k_proj":
+                    t = _permute(t, gplan.kv_heads[i])
+                yield f"blk.{i}.{name}{leaf}", t
+    yield "output_norm.weight", state[f"{base}.norm.weight"]
+    if not model.config.tie_word_embeddings:
+        yield "output.weight", state["lm_head.weight"]
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        yield "rope_freqs.weight", llama3_rope_factors(rope, gplan.head_dim)
+
+
+def llama3_rope_factors(rope: dict, dim: int) -> torch.Tensor:
+    """Llama 3's frequency scaling as llama.cpp's per-frequency divisors (its converter's formula). (dim / 2,)"""
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def structure(path: Path) -> dict:
+    """What a GGUF file holds, read back with the gguf reader alone: architecture, per-layer head counts, head
+    width, tensor shapes (rows, cols as in transformers) and dtypes, tokenizer fields."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch_name = r.fields["general.architecture"].contents()
+    n_layers = int(r.fields[f"{arch_name}.block_count"].contents())
+
+    def per_layer(key: str) -> list[int]:
+        v = r.fields[f"{arch_name}.attention.{key}"].contents()
+        return [int(x) for x in v] if isinstance(v, list) else [int(v)] * n_layers
+
+    field = lambda k: r.fields[k].contents() if k in r.fields else None  # noqa: E731
+    return {"arch": arch_name, "layers": n_layers, "q_heads": per_layer("head_count"),
+            "kv_heads": per_layer("head_count_kv"), "key_length": field(f"{arch_name}.attention.key_length"),
+            "value_length": field(f"{arch_name}.attention.value_length"),
+            "rope_dim": field(f"{arch_name}.rope.dimension_count"), "file_type": field("general.file_type"),
+            "tensors": {t.name: (tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name) for t in r.tensors},
+            "tokens": len(r.fields["tokenizer.ggml.tokens"].data), "pre": field("tokenizer.ggml.pre"),
+            "bos": field("tokenizer.ggml.bos_token_id"), "eos": field("tokenizer.ggml.eos_token_id")}
+
+
+def check_structure(path: Path, model, gplan: Plan, dtype: str) -> dict:
+    """The written file against the plan and the model's tensors: arch, per-layer counts, head width, every
+    tensor's name, shape and dtype. Returns the structure; raises GgufError on a difference."""
+    got = structure(path)
+    want = {name: (tuple(t.shape), {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[
+        _stored(t, dtype)]) for name, t in _tensors(model, gplan)}
+    wrong = [k for k in ("arch", "q_heads", "kv_heads", "key_length", "rope_dim") if
+             got[k] != {"arch": gplan.arch, "q_heads": list(gplan.q_heads), "kv_heads": list(gplan.kv_heads),
+                        "key_length": gplan.head_dim, "rope_dim": gplan.head_dim}[k]]
+    if wrong or got["tensors"] != want:
+        bad = wrong[0] if wrong else next(k for k in set(want) | set(got["tensors"])
+                                          if want.get(k) != got["tensors"].get(k))
+        raise GgufError(f"the written GGUF does not hold the model ({bad} differs); nothing was published")
+    return got
