@@ -10,6 +10,7 @@ from pruner.api.calls import is_texts, texts_of
 from pruner.checkpoints import loading
 from pruner.core import resume
 from pruner.evaluation.perplexity import sliding_windows
+from pruner.recovery import methods
 from pruner.recovery.spec import GENERATED
 from pruner.recovery.train import Options
 from pruner.runs import recovering
@@ -44,7 +45,8 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
     `student`, `teacher`: model objects or what `pruner.load` reads (a run's model/, an export, a shipped
     name). `data`: "generated" (text the teacher samples, seeded), a data source the recipes accept
     ("shakespeare:train", a .txt file or folder, a Hub id) or texts in memory. `options`: the recipe's
-    `recovery` keys (`method="lora"`, `tokens=262144`, `teacher="cached"`, ...). `eval_data`: texts or a
+    `recovery` keys (`method="lora"`, `tokens=262144`, ...; `teacher_mode="cached"` for `recovery.teacher`). A
+    dense student's all-zero output-projection head columns (its pruned heads) stay zero. `eval_data`: texts or a
     source to measure perplexity on before and after (never trained on). `checkpoint_dir`: checkpoints
     every `save_every` tokens; a call with the same setup continues from them. Returns a `Recovery`.
     """
@@ -54,6 +56,8 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
             raise ValueError("pass the tokenizer: a model built in memory names no folder to load one from")
         tokenizer = loading.load_tokenizer(teacher.name_or_path)
     texts = texts_of(data, "text") if is_texts(data) else None
+    if "teacher_mode" in options:  # `teacher` names the model here: the recipe's recovery.teacher
+        options["teacher"] = options.pop("teacher_mode")
     spec = validate_section("recovery", {**options, **({} if texts else {"data": str(data)}), "enabled": True})
     windows = None
     if eval_data is not None:
@@ -65,5 +69,5 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
     checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
         Path(checkpoint_dir), resume.fingerprint("recover", spec.model_dump(mode="json"), {}, {}), None, None)
     done = recovering.recover_models(student.float(), teacher, tokenizer, spec, evaluation=windows,
-                                     options=Options(checkpoints, None, progress), texts=texts)
+                                     options=Options(checkpoints, methods.zero_heads(student), progress), texts=texts)
     return Recovery(done.model, done.record)

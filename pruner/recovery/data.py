@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +95,7 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
 
 @torch.no_grad()
 def sample(teacher, start: int, n: int, length: int, seed: int, temperature: float = 1.0,
-           batch_size: int = 16, progress: bool = False) -> torch.Tensor:
+           batch_size: int = 64, progress: bool = False) -> torch.Tensor:
     """`n` windows of `length` tokens sampled from `teacher` after the token `start`, seeded. (n, length)"""
     g = torch.Generator().manual_seed(seed)
     device = next(teacher.parameters()).device
@@ -103,7 +105,9 @@ def sample(teacher, start: int, n: int, length: int, seed: int, temperature: flo
         ids = torch.full((min(batch_size, n - i), 1), start, dtype=torch.long, device=device)  # (b, 1)
         cache, step = None, ids
         for _ in range(length - 1):
-            o = teacher(input_ids=step, past_key_values=cache, use_cache=True)
+            with warnings.catch_warnings():  # transformers 5.x renames the cache argument; both read it
+                warnings.simplefilter("ignore", FutureWarning)
+                o = teacher(input_ids=step, past_key_values=cache, use_cache=True)
             cache = o.past_key_values
             probs = torch.softmax(o.logits[:, -1].float().cpu() / temperature, dim=-1)  # (b, V)
             step = torch.multinomial(probs, 1, generator=g).to(device)                  # (b, 1)
@@ -133,7 +137,7 @@ def generated(spec: RecoverySpec, teacher, tokenizer, n_train: int, n_val: int, 
                      spec.temperature_generate, progress=progress)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several processes write the same windows
             torch.save(ids, tmp)
             tmp.replace(path)
     batch = lambda x: data.TokenBatch(x, torch.ones_like(x))  # noqa: E731

@@ -13,18 +13,24 @@ import torch
 from pruner.core import arch
 
 
+def _block_names(model) -> list[str]:
+    """The transformer blocks' module names in `model` (wherever the base model sits under it)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in arch.blocks(model)]
+
+
 def _projections(model) -> list[str]:
     """Names of the linear (and GPT-2 Conv1D) modules inside the transformer blocks."""
-    layers = arch.adapter_for(model).layers
+    blocks = tuple(f"{b}." for b in _block_names(model))
     return [name for name, m in model.named_modules()
-            if name.startswith(layers + ".") and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+            if name.startswith(blocks) and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
 
 
 def _attention_prefixes(model) -> list[str]:
     """Module name prefixes of each block's attention projections (q, k, v or fused qkv, and the output)."""
     ad = arch.adapter_for(model)
     own = [p for p in (ad.q, ad.k, ad.v, ad.qkv, ad.o_proj) if p]
-    return [f"{ad.layers}.{i}.{p}." for i in range(len(arch.blocks(model))) for p in own]
+    return [f"{b}.{p}." for b in _block_names(model) for p in own]
 
 
 def prepare(model, method: str, dense_heads: dict[int, list[int]] | None = None, rank: int = 8,
@@ -36,8 +42,7 @@ def prepare(model, method: str, dense_heads: dict[int, list[int]] | None = None,
 
         targets = _projections(model)
         if dense_heads:  # the output projection holds the pruned heads' zero columns: not adapted
-            ad = arch.adapter_for(model)
-            o = {f"{ad.layers}.{i}.{ad.o_proj}" for i in range(len(arch.blocks(model)))}
+            o = {f"{b}.{arch.adapter_for(model).o_proj}" for b in _block_names(model)}
             targets = [t for t in targets if t not in o]
         fan_in_fan_out = any(type(m).__name__ == "Conv1D" for m in model.modules())
         cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
@@ -73,3 +78,17 @@ def keep_pruned_zero(model, dense_heads: dict[int, list[int]] | None) -> None:
         cols = arch.o_weight_cols(base, layer)  # (d_model, heads * d_head)
         for h in heads:
             cols[:, h * hd:(h + 1) * hd] = 0
+
+
+@torch.no_grad()
+def zero_heads(model) -> dict[int, list[int]] | None:
+    """The heads a dense (masked) model holds as all-zero output-projection columns: its pruned heads, read from
+    the weights when no plan is at hand (`pruner.recover` on a model object). None when there are none."""
+    hd = arch.geometry(model).head_dim
+    found = {}
+    for layer in range(len(arch.blocks(model))):
+        cols = arch.o_weight_cols(model, layer)  # (d_model, heads * d_head)
+        zero = [h for h in range(cols.shape[1] // hd) if not cols[:, h * hd:(h + 1) * hd].any()]
+        if zero:
+            found[layer] = zero
+    return found or None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pruner.checkpoints import loading
-from pruner.core import data, distributed, outputs, resume, runtime
+from pruner.core import data, distributed, resume, runtime
 from pruner.evaluation.perplexity import EvalWindows, paired_delta, perplexity, window_scores
 from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
@@ -62,6 +62,7 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
         return rteacher.Resident(teacher, spec.temperature)
     every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
                             torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
+    folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
     return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress)
 
 
