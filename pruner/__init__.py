@@ -2,16 +2,16 @@
 
 The public Python API (docs/python.md); everything else is internal:
 
-    plan, apply, prune, compare, analyze, evaluate, load, export_run
-    Plan, Result, Comparison, Analysis, Evaluation, Recipe, RecipeError
+    plan, apply, prune, recover, compare, analyze, evaluate, load, export_run
+    Plan, Result, Recovery, Comparison, Analysis, Evaluation, Recipe, RecipeError
 
 Imported lazily, so `import pruner` and `pruner --help` stay fast.
 """
 
 from pruner.core.version import __version__  # noqa: F401  (re-exported)
 
-__all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
-           "Plan", "Result", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]
+__all__ = ["plan", "apply", "prune", "recover", "compare", "analyze", "evaluate", "load", "export_run",
+           "Plan", "Result", "Recovery", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]
 
 
 def __getattr__(name: str):

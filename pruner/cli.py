@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pruner.commands import analyze, bench, compare, evaluate, export, plan_memory, prune, sinks
+from pruner.commands import analyze, bench, compare, evaluate, export, plan_memory, prune, recover, sinks
 from pruner.core.redact import redact
 from pruner.core.version import __version__
 
-COMMANDS = (sinks, analyze, prune, compare, evaluate, export, bench, plan_memory)  # the order `pruner --help` lists them in
+COMMANDS = (sinks, analyze, prune, recover, compare, evaluate, export, bench, plan_memory)  # the order `pruner --help` lists them in
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pruner.api.analysis import Analysis, analyze
 from pruner.api.evaluation import Evaluation, evaluate, export_run, load
 from pruner.api.pruning import Comparison, Result, apply, compare, plan, prune
+from pruner.api.recovery import Recovery, recover
 from pruner.pruning.selection import Plan
 from pruner.runs.recipe import Recipe, RecipeError
 
-__all__ = ["plan", "apply", "prune", "compare", "analyze", "evaluate", "load", "export_run",
-           "Plan", "Result", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]
+__all__ = ["plan", "apply", "prune", "recover", "compare", "analyze", "evaluate", "load", "export_run",
+           "Plan", "Result", "Recovery", "Comparison", "Analysis", "Evaluation", "Recipe", "RecipeError"]

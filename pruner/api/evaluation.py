@@ -59,7 +59,8 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
         run = runs.load_run(Path(model))
         provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
         recipe = recipe if recipe is not None else run.recipe
-        pruned, tokenizer = export.rebuild(run, "dense")
+        compact = export.recovered(run) and run.metrics["surgery"] == "remove"  # no dense form of those weights
+        pruned, tokenizer = export.rebuild(run, "compact" if compact else "dense")
         name, base = str(model), base if base is not None else run.recipe.model.path
         model = pruned
     else:

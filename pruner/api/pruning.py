@@ -10,7 +10,7 @@ from pruner.api.calls import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
-from pruner.runs import comparison, compensating, pipeline, provenance, report
+from pruner.runs import comparison, compensating, pipeline, provenance, recovering, report
 from pruner.runs import folders as runs
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
@@ -102,6 +102,8 @@ def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None,
 
 
 def _prune(call: Call, progress: bool, checkpoint_dir=None) -> Result:
+    if call.recipe.recovery.enabled:  # budget, overlap, cache disk: refused before any compute
+        recovering.check(call.recipe.recovery, call.recipe.evaluation, checkpoint_dir)
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
     session = call.session(progress, checkpoints=checkpoints, whole_model=bool(call.recipe.evaluation.tasks))

@@ -64,11 +64,31 @@ def rebuild(run: Run, fmt: str):
     fmt = "compact" if fmt in ("onnx", "gguf") else fmt
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if recovered(run):  # distilled weights: model/ itself, not base + plan
+        return _recovered_model(run, fmt)
     model = loading.load_base(run.recipe.model)
     tokenizer = loading.load_tokenizer(run.recipe.model.path, trust_remote_code=run.recipe.model.trust_remote_code)
     heads = provenance.check_fits(run.folder, run.plan, run.compensation, model)  # an edited plan that no longer fits
     (surgery.remove_heads if fmt == "compact" else surgery.mask_heads)(model, heads, run.compensation)
     return model, tokenizer
+
+
+def recovered(run: Run) -> bool:
+    """Whether the run's model/ holds recovered (distilled) weights, which base + plan cannot rebuild."""
+    return (run.metrics.get("recovery") or {}).get("kept") == "recovered"
+
+
+def _recovered_model(run: Run, fmt: str):
+    """A recovered run's model/ in `fmt`: a dense model/ gives the compact form by slicing its zero head columns
+    out; a compact model/ has no dense form (its heads are gone)."""
+    folder = run.folder / "model"
+    if fmt == "dense" and run.metrics["surgery"] == "remove":
+        raise ExportError(f"{run.folder} holds recovered compact weights (model/); they have no dense form: "
+                          "export --format compact")
+    model = loading.load(folder).float().eval()
+    if fmt == "compact" and run.metrics["surgery"] == "mask":
+        surgery.remove_heads(model, run.heads, surgery.Compensation())
+    return model, loading.load_tokenizer(str(folder))
 
 
 def storage_dtype(run: Run, dtype: str | None = None) -> str | None:

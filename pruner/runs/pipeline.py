@@ -36,7 +36,7 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import compensating, reads, resources
+from pruner.runs import compensating, reads, recovering, resources
 from pruner.runs.context import Session, check_layerwise, resident
 from pruner.runs.recipe import Recipe
 
@@ -281,7 +281,9 @@ def run(session: Session, progress: bool = True) -> RunResult:
         metrics["refit"] = fit
     if cost is not None:
         metrics["scorer_cost"] = cost
-    return RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
+    result = RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
+    recovering.stage(session, result, progress)  # recovery.enabled: distil the base into the pruned model
+    return result
 
 
 def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:

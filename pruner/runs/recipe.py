@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from pruner.pruning.scoring import SCORERS
+from pruner.recovery.spec import RecoverySpec
 
 
 class RecipeError(ValueError):
@@ -280,6 +281,7 @@ class Recipe(_Strict):
     capture: CaptureSpec = CaptureSpec()
     bench: BenchSpec = BenchSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
+    recovery: RecoverySpec = RecoverySpec()
     threads: int | None = Field(None, ge=1)
     seed: int = 0
 

@@ -260,7 +260,32 @@ def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
         lines += [fit, ""]
         if figure:
             lines += [f"![refit]({figure})", ""]
+    recovered = recovery_text(metrics)
+    if recovered:
+        lines += [recovered]
     if metrics.get("bench"):
         lines += ["## What the compact model buys", "", BenchResult.from_dict(metrics["bench"]).markdown(), ""]
     lines += ["## Pruned heads", "", plan_table(json.loads(plan_json))]
     return "\n".join(lines) + "\n"
+
+
+def recovery_text(metrics: dict) -> str | None:
+    """report.md's recovery section (None without recovery)."""
+    r = metrics.get("recovery")
+    if not r:
+        return None
+    lines = ["## Recovery (distillation from the base model)", "",
+             f"`{r['method']}`, teacher `{r['teacher']}`, data `{r['data']}`, {r['tokens']:,} tokens in "
+             f"{r['steps']} steps ({r['tokens_per_second']:.0f} tokens/s, {r['seconds']:.0f} s); validation KL "
+             f"{r['validation_kl_pruned']:.4f} (pruned) -> {r['validation_kl_best']:.4f} (best, step "
+             f"{r['best_step']}); kept: **{r['kept']}** weights.", ""]
+    p = r.get("perplexity")
+    if p:
+        R = "n/a" if p["damage_recovered"] is None else f"{p['damage_recovered']:.2f}"
+        lines += ["| | base | pruned | recovered | change by recovery [95% CI] | damage recovered R |",
+                  "|---|---|---|---|---|---|",
+                  f"| perplexity | {p['base']:.2f} | {p['pruned']:.2f} | {p['recovered']:.2f} | {p['delta']:+.2f} "
+                  f"[{p['ci_low']:+.2f}, {p['ci_high']:+.2f}] | {R} |", ""]
+    if r.get("note"):
+        lines += [r["note"], ""]
+    return "\n".join(lines)

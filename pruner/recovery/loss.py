@@ -1,0 +1,73 @@
+"""The distillation loss: token-level forward KL(teacher || student), in float32 whatever the models store.
+
+Forward KL over the vocabulary at every real position is what Minitron and Model-Optimizer
+distil with (logits only, temperature 1): the student is pulled towards every token the
+teacher finds plausible, not only the one that happened to come next, so a few hundred
+thousand tokens carry far more signal than the same text's cross-entropy. The sum over
+positions is returned with the count of real positions, so several processes (or
+batches) add their sums and divide once: the same mean as one process on the whole
+batch.
+
+`topk_kl` is the same divergence against a cached teacher that kept only its top-k
+log-probabilities and the mass of the rest: both distributions are collapsed onto those
+k tokens plus one "tail" bin, which is the exact KL of the collapsed distributions (a
+lower bound of the full one, equal to it when the tail is empty).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, T, V) logits -> (B, T, V) float32 log-probabilities at `temperature`."""
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def full_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor,
+            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL(teacher || student) over real positions and their count.
+
+    student_logits, teacher_logits: (B, T, V); mask: (B, T), 1 on real tokens. Returns
+    (scalar float32 sum, scalar count). Scaled by T^2 (Hinton) so gradients keep their size
+    whatever the temperature.
+    """
+    s = log_probs(student_logits, temperature)          # (B, T, V)
+    t = log_probs(teacher_logits, temperature)          # (B, T, V)
+    kl = (t.exp() * (t - s)).sum(-1)                   # (B, T)
+    on = mask.to(kl.dtype)
+    return (kl * on).sum() * temperature ** 2, on.sum()
+
+
+def topk_targets(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the cached teacher keeps per position: its top-k log-probabilities (B, T, k) float32, their token
+    ids (B, T, k) int32, and the log of the rest's mass (B, T) float32 (-inf when nothing is left)."""
+    lp = log_probs(teacher_logits, temperature)
+    top, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    tail = torch.log1p(-top.exp().sum(-1).clamp(max=1.0))   # (B, T): log(1 - sum of the top-k)
+    return top, idx.to(torch.int32), tail
+
+
+def topk_kl(student_logits: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor,
+            mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL of the teacher's top-k + tail distribution from the student's, collapsed the same way.
+
+    student_logits: (B, T, V); top, idx: (B, T, k); tail, mask: (B, T). Returns (sum, count) as `full_kl`.
+    """
+    s = log_probs(student_logits, temperature)                          # (B, T, V)
+    s_top = s.gather(-1, idx.long())                                    # (B, T, k)
+    s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-7))      # (B, T)
+    kl = (top.exp() * (top - s_top)).sum(-1)                            # (B, T)
+    p_tail = tail.exp()
+    kl = kl + torch.where(p_tail > 0, p_tail * (tail - s_tail), torch.zeros_like(kl))
+    on = mask.to(kl.dtype)
+    return (kl * on).sum() * temperature ** 2, on.sum()
+
+
+def next_token_ce(student_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over real targets (the optional LM term). (B, T, V), (B, T) -> scalar."""
+    logits = student_logits[:, :-1].float()
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="sum")

@@ -1,0 +1,63 @@
+"""The `recovery:` recipe section: one validated config for `pruner prune`, `pruner recover` and
+`pruner.recover` (off by default: a recipe without it stays a prune)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+METHODS = ("full", "lora", "attention")
+GENERATED = "generated"  # text sampled from the teacher itself
+
+
+class RecoverySpec(BaseModel):
+    """Distillation from the base model into the pruned one (see docs/recovery.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
+
+    enabled: bool = Field(False, description="`pruner prune` recovers after the surgery (pruner recover always does)")
+    method: str = Field("full", description="full: every kept weight; lora: PEFT LoRA on the attention and MLP "
+                                            "projections, merged at the end; attention: only the kept heads' "
+                                            "projections")
+    tokens: int = Field(131072, ge=1, description="training token budget (real, non-pad tokens)")
+    data: str = Field(GENERATED, min_length=1, description="generated (text the teacher samples, cached in the run "
+                                                           "folder) or any data source the recipes accept")
+    split: str = "train"
+    text_column: str = "text"
+    name: str | None = None
+    length: int = Field(128, ge=8, le=131072, description="tokens per training window")
+    batch_size: int = Field(8, ge=1, description="windows per optimizer step (over all processes)")
+    lr: float | None = Field(None, gt=0, description="peak learning rate (default by method: full/attention "
+                                                     "1e-4, lora 1e-3)")
+    warmup: float = Field(0.05, ge=0, lt=1, description="fraction of the steps the learning rate warms up over")
+    schedule: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
+    weight_decay: float = Field(0.0, ge=0)
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of both distributions in the KL")
+    ce_weight: float = Field(0.0, ge=0, description="weight of the next-token cross-entropy added to the KL")
+    teacher: Literal["resident", "cached"] = Field(
+        "resident", description="resident: the teacher runs beside the student; cached: it runs once over the "
+                                "recovery tokens and its top-k log-probabilities are stored on disk")
+    top_k: int = Field(64, ge=1, description="cached teacher: log-probabilities kept per token (the tail's mass too)")
+    lora_rank: int = Field(8, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    validation: float = Field(0.05, gt=0, lt=0.5, description="fraction of the recovery windows held back")
+    eval_every: int | None = Field(None, ge=1, description="tokens between validation passes (default: 8 per run)")
+    save_every: int | None = Field(None, ge=1, description="tokens between checkpoints for --resume (default: "
+                                                           "the validation cadence)")
+    temperature_generate: float = Field(1.0, gt=0, description="generated data: sampling temperature")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _method(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown recovery method {self.method!r}; valid: {', '.join(METHODS)}")
+        return self
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else (1e-3 if self.method == "lora" else 1e-4)
+
+    @property
+    def window_tokens(self) -> int:
+        return self.batch_size * self.length

@@ -1,0 +1,197 @@
+"""The recovery loop: distil the teacher into the student on the recovery windows, guarded by a held-back slice.
+
+Plumbing around one hand-written piece (the loss): torch's AdamW, transformers' schedules,
+PEFT's LoRA. The student trains in float32 (weights, gradients, optimizer state; the loss
+too) whatever its checkpoint stores, so a bf16/fp16 checkpoint never meets a NaN from
+half-precision sums. It trains in eval mode (no dropout): the only randomness left is the
+data order, fixed by the seed, so a resumed recovery is the uninterrupted one.
+
+Several processes (`torchrun`, `accelerate launch`) split each batch's windows rank::world;
+each backpropagates its share of the batch's KL sum divided by the whole batch's token
+count, and the gradients are summed across processes: the gradient of one process on the
+whole batch, up to float summation order.
+
+The guard: the validation KL is measured before the first step (the pruned model's), every
+`eval_every` tokens and at the end; the best weights are kept, and when no step improves
+on the pruned model the pruned weights are kept and the record says so.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from pruner.core import data, distributed, resume
+from pruner.recovery import loss, methods
+from pruner.recovery.data import Windows
+from pruner.recovery.spec import RecoverySpec
+from pruner.recovery.teacher import forward_logits
+
+STAGE = "recovery"
+
+
+@dataclass
+class Options:
+    """What the caller knows beyond the recipe section."""
+
+    checkpoints: resume.Checkpoints = resume.NONE
+    dense_heads: dict[int, list[int]] | None = None  # a dense (mask) student's pruned heads: they stay zero
+    progress: bool = True
+
+
+@dataclass
+class Trained:
+    model: object
+    record: dict = field(default_factory=dict)
+
+
+def cadence(spec: RecoverySpec, steps: int) -> tuple[int, int]:
+    """(steps between validation passes, steps between checkpoints)."""
+    per = spec.window_tokens
+    every = max(1, (spec.eval_every // per) if spec.eval_every else steps // 8)
+    save = max(1, spec.save_every // per) if spec.save_every else every
+    return every, save
+
+
+def _mine(rows: torch.Tensor) -> torch.Tensor:
+    return rows[distributed.rank()::distributed.world_size()]
+
+
+def _all_sum(x: torch.Tensor) -> torch.Tensor:
+    if distributed.world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def batch_kl(model, targets, windows: data.TokenBatch, rows: torch.Tensor, spec: RecoverySpec, offset: int = 0):
+    """This process's share of a batch: (KL sum [+ CE], real-token count) over `rows` of `windows`."""
+    mine = _mine(rows)
+    b = data.TokenBatch(windows.input_ids[mine], windows.attention_mask[mine])
+    if not len(mine):
+        return torch.zeros(()), torch.zeros(())
+    logits = forward_logits(model, b.input_ids, b.attention_mask)  # (b, T, V)
+    kl, count = targets.kl(logits, mine + offset, b)
+    if spec.ce_weight:
+        kl = kl + spec.ce_weight * loss.next_token_ce(logits, b.input_ids, b.attention_mask)
+    return kl, count
+
+
+@torch.no_grad()
+def validation_kl(model, targets, windows: Windows, spec: RecoverySpec, offset: int) -> float:
+    """Mean KL per real token on the held-back windows (rows `offset`.. in the teacher cache)."""
+    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    n = len(windows.validation)
+    for i in range(0, n, spec.batch_size):
+        kl, c = batch_kl(model, targets, windows.validation, torch.arange(i, min(i + spec.batch_size, n)), spec,
+                         offset)
+        total += kl.double()
+        count += c.double()
+    return float(_all_sum(total) / _all_sum(count).clamp_min(1))
+
+
+def _optimizer(model, spec: RecoverySpec, steps: int):
+    from transformers import get_scheduler
+
+    params = list(methods.trainable(model).values())
+    opt = torch.optim.AdamW(params, lr=spec.peak_lr, weight_decay=spec.weight_decay, foreach=False)
+    sched = get_scheduler(spec.schedule, opt, num_warmup_steps=int(spec.warmup * steps), num_training_steps=steps)
+    return opt, sched
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in methods.trainable(model).items()}
+
+
+def _load_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    params = methods.trainable(model)
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+
+
+def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpec, opt, sched) -> float:
+    """One optimizer step on the batch `rows`; returns its mean KL (over every process)."""
+    kl, count = batch_kl(model, targets, windows.train, rows, spec)
+    total = _all_sum(count.detach().clone().double()).clamp_min(1)
+    (kl / total.float()).backward()
+    params = list(methods.trainable(model).values())
+    if distributed.world_size() > 1:
+        for p in params:
+            if p.grad is None:  # a process without windows in this batch
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(_all_sum(kl.detach().double()) / total)
+
+
+def _state(model, opt, sched, k: int, guard: dict) -> dict:
+    return {"step": k, "weights": _weights(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "guard": guard}
+
+
+def _resume(model, opt, sched, checkpoints: resume.Checkpoints) -> tuple[int, dict | None]:
+    """(first step, guard) from a saved checkpoint, or (0, None) for a fresh start."""
+    saved = checkpoints.load(STAGE)
+    if saved is None:
+        return 0, None
+    _load_weights(model, saved["weights"])
+    opt.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["scheduler"])
+    return saved["step"], saved["guard"]
+
+
+def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict, k: int) -> None:
+    """A validation pass after step `k`: the history, and the best weights so far."""
+    v = validation_kl(model, targets, windows, spec, len(windows.train))
+    guard["history"].append([k, v])
+    if v < guard["best"]:
+        guard.update(best=v, best_step=k, best_weights=_weights(model))
+
+
+def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options = Options()) -> Trained:
+    """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
+    model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha)
+    steps = len(windows.train) // spec.batch_size
+    every, save_every = cadence(spec, steps)
+    opt, sched = _optimizer(model, spec, steps)
+    start, guard = _resume(model, opt, sched, options.checkpoints)
+    if guard is None:
+        v0 = validation_kl(model, targets, windows, spec, len(windows.train))
+        guard = {"pruned": v0, "best": v0, "best_step": 0, "best_weights": _weights(model), "history": [[0, v0]]}
+    model.eval()  # no dropout: the data order is the only randomness
+    bar = tqdm(total=steps, initial=start, desc="recovery", unit="step", disable=not options.progress)
+    t0, last = time.perf_counter(), float("nan")
+    for k in range(start, steps):
+        rows = torch.arange(k * spec.batch_size, (k + 1) * spec.batch_size)
+        last = step(model, targets, windows, rows, spec, opt, sched)
+        methods.keep_pruned_zero(model, options.dense_heads)
+        done = k + 1
+        if done % every == 0 or done == steps:
+            _validate(model, targets, windows, spec, guard, done)
+        rate = (done - start) * spec.window_tokens / max(time.perf_counter() - t0, 1e-9)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{last:.4f}", val_kl=f"{guard['history'][-1][1]:.4f}")
+        if options.checkpoints.active and done % save_every == 0 and done < steps:
+            options.checkpoints.save(STAGE, _state(model, opt, sched, done, guard))
+        resume.kill_point(f"{STAGE}:{done}")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    improved = guard["best"] < guard["pruned"]
+    _load_weights(model, guard["best_weights"])  # the best validation step (step 0: the pruned weights)
+    record = {"steps": steps, "steps_run": steps - start, "tokens": steps * spec.window_tokens,
+              "validation_kl_pruned": guard["pruned"], "validation_kl_best": guard["best"],
+              "best_step": guard["best_step"], "validation_history": guard["history"],
+              "kept": "recovered" if improved else "pruned", "last_loss": last,
+              "seconds": round(seconds, 2),
+              "tokens_per_second": round((steps - start) * spec.window_tokens / max(seconds, 1e-9), 1)}
+    if not improved:
+        record["note"] = (f"recovery did not improve the validation KL of the pruned model "
+                          f"({guard['pruned']:.4f}): the pruned weights are kept")
+    return Trained(methods.finish(model, spec.method), record)

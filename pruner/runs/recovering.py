@@ -1,0 +1,214 @@
+"""The recovery stage: distil the run's base model into its pruned model, and write what it did.
+
+Three routes share `recover_models`: `pruner prune` with `recovery.enabled` (after the
+surgery, on the pruned model still in memory: `stage`), `pruner recover RUN_DIR`
+(`recover_run`: the run folder's model/ as the student, its base as the teacher, a new
+run folder as the output) and `pruner.recover` (objects the caller holds). Everything that
+can be refused -- a run without a pruned model, an unknown method, a budget below one
+batch, data overlapping the evaluation windows, a base that is no longer the run's, a disk
+too small for the teacher cache -- is refused in one line before the teacher is run, and
+the output folder is written only when the recovery is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pruner.checkpoints import loading
+from pruner.core import data, distributed, resume, runtime
+from pruner.evaluation.perplexity import EvalWindows, paired_delta, perplexity, window_scores
+from pruner.recovery import data as rdata
+from pruner.recovery import teacher as rteacher
+from pruner.recovery.spec import GENERATED, RecoverySpec
+from pruner.recovery.train import Options, train
+from pruner.runs import provenance
+from pruner.runs import folders as runs
+
+CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
+TEACHER_CACHE = "teacher-cache"  # in the partial output folder while it trains: the top-k cache
+
+
+@dataclass
+class Recovered:
+    """What `recover_models` returns: the recovered (or, when it did not help, pruned) model and its record."""
+
+    model: object
+    record: dict
+
+
+def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None) -> tuple[int, int]:
+    """Every refusal that needs no model: budget, overlap, cache disk. Returns (train, validation) windows."""
+    n_train, n_val = rdata.counts(spec)
+    if evaluation is not None:
+        rdata.check_overlap(spec, evaluation)
+    if spec.teacher == "cached" and cache_folder is not None:
+        rteacher.check_disk(Path(cache_folder), rteacher.cache_bytes(n_train + n_val, spec.length, spec.top_k))
+    return n_train, n_val
+
+
+def _nll(model, windows: EvalWindows | None, batch_size: int = 8):
+    return None if windows is None else window_scores(model, windows, batch_size, causal=True)[:2]
+
+
+def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool):
+    if spec.teacher == "resident":
+        return rteacher.Resident(teacher, spec.temperature)
+    every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
+                            torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
+    folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
+    return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress)
+
+
+def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
+                   folders: tuple[Path | None, Path | None] = (None, None), options: Options = Options(),
+                   identity: dict | None = None, texts: list[str] | None = None) -> Recovered:
+    """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
+    `evaluation` when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary.
+    `texts`: the recovery text given in memory (instead of `spec.data`)."""
+    if not runtime.attends_causally(student):
+        raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
+                                  "attends both ways")
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise rdata.RecoveryError(f"the teacher's vocabulary ({teacher.config.vocab_size}) is not the student's "
+                                  f"({student.config.vocab_size}): not the model it was pruned from")
+    n_train, n_val = check(spec)
+    if spec.data == GENERATED and texts is None:
+        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, folders[0], identity or {},
+                                  options.progress)
+    else:
+        windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
+    base, before = _nll(teacher, evaluation), _nll(student, evaluation)
+    tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
+    try:
+        targets = _targets(spec, teacher, windows, tmp, options.progress)
+        done = train(student, targets, windows, spec, options)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    record = {"method": spec.method, "teacher": spec.teacher, "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
+              "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
+    if evaluation is not None:
+        record["perplexity"] = perplexity_record(base, before, _nll(done.model, evaluation))
+    return Recovered(done.model, record)
+
+
+def perplexity_record(base, before, after, n_boot: int = 1000) -> dict:
+    """Perplexity of the base, pruned and recovered models on the same windows, the paired change of recovery,
+    and the damage recovered R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base) (per token)."""
+    ppl = {k: perplexity(*v) for k, v in (("base", base), ("pruned", before), ("recovered", after))}
+    d = paired_delta(before, after, n_boot=n_boot)
+    lost = math.log(ppl["pruned"]) - math.log(ppl["base"])
+    won = math.log(ppl["pruned"]) - math.log(ppl["recovered"])
+    return {**ppl, "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high,
+            "damage_recovered": won / lost if lost > 0 else None}
+
+
+def stage(session, result, progress: bool = True) -> None:
+    """`pruner prune` with `recovery.enabled`: recover the pruned model in memory (in `result`) from a fresh copy
+    of the base, before the run folder is written; metrics.json gets a `recovery` block."""
+    spec = session.recipe.recovery
+    if not spec.enabled:
+        return
+    if result.onloader is not None:
+        raise rdata.RecoveryError("recovery needs the pruned model in memory; this run was pruned layer by "
+                                  "layer (capture.onload): prune with onload: all, or recover later on a machine "
+                                  "that holds it (`pruner recover RUN_DIR`)")
+    teacher = loading.load_base(session.recipe.model, device=distributed.local_device(session.recipe.model.device))
+    dense = result.plan.heads if session.recipe.surgery.mode == "mask" else None
+    cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
+    done = recover_models(result.model, teacher, session.tokenizer, spec, evaluation=session.evaluation,
+                          folders=(cache, cache and cache / TEACHER_CACHE),
+                          options=Options(session.checkpoints, dense, progress))
+    result.model = done.model
+    result.metrics["recovery"] = done.record
+
+
+def pruned_model(run: runs.Run):
+    """The run's model/ as the student, loaded by the routes its reload check used; refused in one line when the
+    run has none."""
+    folder = run.folder / "model"
+    if not (folder / "config.json").exists():
+        why = (folder / "NOT_SAVED.txt").read_text().strip() if (folder / "NOT_SAVED.txt").exists() else \
+            "it has no model/ folder"
+        raise rdata.RecoveryError(f"{run.folder} has no pruned model to recover ({' '.join(why.split())[:200]}); "
+                                  "re-run pruner prune so that it writes model/")
+    return loading.load(folder).float().eval(), loading.load_tokenizer(str(folder))
+
+
+def run_spec(run: runs.Run, values: dict) -> RecoverySpec:
+    """The run recipe's recovery section with `values` (dotted `recovery.` keys or plain ones) on top."""
+    from pruner.runs.recipe_io import validate_section
+
+    tree = run.recipe.recovery.model_dump(mode="json")
+    tree.update({k.removeprefix("recovery."): v for k, v in values.items()})
+    return validate_section("recovery", tree)
+
+
+def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run: bool = False,
+                progress: bool = True) -> dict:
+    """`pruner recover RUN_DIR`: a new run folder `out` whose model/ is the recovered model; returns its metrics."""
+    run = runs.load_run(Path(run_dir))
+    spec = run_spec(run, values)
+    check(spec, run.recipe.evaluation, Path(out).parent)
+    if not (run.folder / "model" / "config.json").exists():
+        pruned_model(run)  # the one-line refusal
+    provenance.check_base(run.folder, run.recipe.model)  # the teacher must be the run's base
+    recipe = run.recipe.model_copy(update={"recovery": spec})
+    with runs.run_folder(Path(out), overwrite, resume_run) as tmp:
+        student, tokenizer = pruned_model(run)
+        teacher = loading.load_base(run.recipe.model)
+        ident = provenance.base_identity(run.recipe.model)
+        fp = resume.fingerprint("recover", recipe.model_dump(mode="json"), {"run": str(run.folder)}, ident)
+        checkpoints = resume.open_checkpoints(tmp, fp, None, None)
+        from pruner.runs.context import evaluation_windows
+
+        windows = evaluation_windows(run.recipe, teacher, tokenizer, True)
+        dense = run.heads if run.metrics["surgery"] == "mask" else None
+        done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
+                              folders=(run.folder / CACHE, tmp / TEACHER_CACHE),
+                              options=Options(checkpoints, dense, progress and distributed.is_main()),
+                              identity=ident)
+        metrics = {**run.metrics, "recovery": done.record}
+        if distributed.is_main():
+            write_run(run, recipe, done.model, tokenizer, metrics, tmp)
+    return metrics
+
+
+def write_run(run: runs.Run, recipe, model, tokenizer, metrics: dict, tmp: Path) -> None:
+    """The recovered run folder: model/ (reload-checked), the run's plan and compensation, the new metrics,
+    recipe, report and provenance."""
+    from pruner.runs.pipeline import to_jsonable
+    from pruner.runs.report import run_report
+
+    saved = runs.save_checkpoint(model, tokenizer, tmp / "model", metrics["surgery"] == "remove",
+                                 runs.recipe_storage_dtype(run.recipe))
+    metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
+                   model_bytes=sum(f.stat().st_size for f in (tmp / "model").glob("*.safetensors")))
+    for name in ("plan.json", runs.COMPENSATION_FILE):
+        if (run.folder / name).exists():
+            shutil.copyfile(run.folder / name, tmp / name)
+    (tmp / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=1) + "\n")
+    (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+    (tmp / "report.md").write_text(run_report(metrics, (tmp / "plan.json").read_text()))
+    prov_file = run.folder / provenance.FILE
+    prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
+    prov["recovery"] = provenance_record(run, metrics["recovery"])
+    provenance.write(tmp, prov)
+    shutil.rmtree(tmp / resume.STATE, ignore_errors=True)
+
+
+def provenance_record(run: runs.Run, record: dict) -> dict:
+    """What the recovery was made from: the teacher (the run's base), the data, the budget and the seed."""
+    spec = record["spec"]
+    source = {"generated": {"kind": "generated", "by": "teacher", "seed": spec["seed"],
+                            "temperature": spec["temperature_generate"]}} if spec["data"] == GENERATED else \
+        {"source": provenance.data_identity(spec["data"], spec["name"], spec["split"], spec["text_column"])}
+    return {"from_run": str(run.folder), "teacher": provenance.base_identity(run.recipe.model)["model"],
+            **source, "budget": record["budget"], "tokens": record["tokens"], "seed": record["seed"]}
+

@@ -1,0 +1,169 @@
+"""Recovery: the distillation loss, what each method trains, the guard, resume, and `pruner recover` on a shipped
+run with its refusals (docs/recovery.md)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+import pruner
+from pruner.core import resume
+from pruner.pruning import surgery
+from pruner.recovery import loss
+from pruner.recovery.data import RecoveryError
+from pruner.recovery.spec import RecoverySpec
+from tests.tiny import tiny_model
+
+QUICK = {"tokens": 512, "length": 16, "batch_size": 4, "lr": 1e-3, "eval_every": 128}
+
+
+def texts(n: int = 300, seed: int = 0) -> list[str]:
+    words = "the king queen a of and to is was my lord good".split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(12)) for _ in range(n)]
+
+
+@pytest.mark.unit
+def test_kl_is_zero_on_itself_and_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    zero, n = loss.full_kl(t, t, mask)
+    assert abs(float(zero)) < 1e-6 and int(n) == 7
+    kl, _ = loss.full_kl(s, t, mask)
+    ref = torch.nn.functional.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(kl, (ref * mask).sum())
+
+
+@pytest.mark.unit
+def test_topk_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(2, 6, 40, generator=g), torch.randn(2, 6, 40, generator=g) * 3
+    mask = torch.ones(2, 6)
+    full, _ = loss.full_kl(s, t, mask)
+    every, _ = loss.topk_kl(s, *loss.topk_targets(t, 40), mask)
+    torch.testing.assert_close(every, full, rtol=1e-4, atol=1e-5)
+    few, _ = loss.topk_kl(s, *loss.topk_targets(t, 8), mask)
+    assert 0 < float(few) <= float(full) + 1e-5  # the collapsed distributions' KL
+
+
+@pytest.mark.unit
+def test_half_precision_logits_give_a_finite_float32_loss():
+    s = (torch.randn(1, 4, 50) * 30).to(torch.bfloat16)
+    t = (torch.randn(1, 4, 50) * 30).to(torch.float16)
+    kl, _ = loss.full_kl(s, t, torch.ones(1, 4))
+    assert kl.dtype == torch.float32 and torch.isfinite(kl)
+
+
+@pytest.mark.unit
+def test_the_spec_refuses_an_unknown_method_and_a_budget_below_one_batch():
+    from pruner.recovery.data import counts
+    from pruner.runs.recipe import RecipeError
+    from pruner.runs.recipe_io import validate_section
+
+    with pytest.raises(RecipeError, match="unknown recovery method 'qlora'; valid: full, lora, attention"):
+        validate_section("recovery", {"method": "qlora"})
+    with pytest.raises(RecoveryError, match="below one batch"):
+        counts(RecoverySpec(tokens=100, batch_size=8, length=128))
+    assert counts(RecoverySpec(tokens=4096, batch_size=8, length=128)) == (32, 2)
+
+
+@pytest.mark.unit
+def test_the_evaluation_text_is_refused_as_recovery_data():
+    from pruner.recovery.data import check_overlap
+    from pruner.runs.recipe import EvaluationSpec
+
+    ev = EvaluationSpec()  # shakespeare:evaluation
+    with pytest.raises(RecoveryError, match="overlaps the evaluation windows"):
+        check_overlap(RecoverySpec(data="shakespeare:evaluation"), ev)
+    check_overlap(RecoverySpec(data="shakespeare:train"), ev)
+    check_overlap(RecoverySpec(), ev)  # generated
+
+
+def pair(family: str = "gpt2", heads=None, mode: str = "remove"):
+    teacher = tiny_model(family)
+    student = copy.deepcopy(teacher)
+    heads = heads or {0: [0, 1, 2], 1: [1, 2, 3]}
+    (surgery.remove_heads if mode == "remove" else surgery.mask_heads)(student, heads)
+    return teacher, student, heads
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["full", "lora", "attention"])
+def test_each_method_lowers_the_validation_kl_and_returns_a_plain_model(word_tokenizer, method):
+    teacher, student, _ = pair()
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    out = pruner.recover(student, teacher, word_tokenizer, texts(), method=method, progress=False, **QUICK)
+    r = out.record
+    assert r["kept"] == "recovered" and r["validation_kl_best"] < 0.9 * r["validation_kl_pruned"], r
+    after = dict(out.model.named_parameters())
+    assert after.keys() == before.keys()  # LoRA merged: no adapter left, the pruned shape kept
+    assert all(after[n].shape == before[n].shape for n in before)
+    changed = {n for n in before if not torch.equal(after[n], before[n])}
+    if method == "attention":
+        assert changed and all(".attn." in n for n in changed), changed
+    else:
+        assert any(".mlp." in n for n in changed)
+
+
+@pytest.mark.integration
+def test_a_dense_students_pruned_heads_stay_zero(word_tokenizer):
+    from pruner.core import arch
+
+    teacher, student, heads = pair(mode="mask")
+    out = pruner.recover(student, teacher, word_tokenizer, texts(), progress=False, **QUICK)
+    assert out.record["kept"] == "recovered"
+    hd = arch.geometry(out.model).head_dim
+    for layer, hs in heads.items():
+        cols = arch.o_weight_cols(out.model, layer)
+        for h in hs:
+            assert torch.count_nonzero(cols[:, h * hd:(h + 1) * hd]) == 0
+
+
+@pytest.mark.integration
+def test_a_recovery_that_cannot_help_keeps_the_pruned_weights(word_tokenizer):
+    teacher, student, _ = pair()
+    before = copy.deepcopy(student.state_dict())
+    out = pruner.recover(student, teacher, word_tokenizer, texts(), progress=False, **{**QUICK, "lr": 5.0})
+    assert out.record["kept"] == "pruned" and "the pruned weights are kept" in out.record["note"]
+    for k, v in out.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.integration
+def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkeypatch):
+    opts = {**QUICK, "save_every": 128, "progress": False}
+    teacher, student, _ = pair()
+    whole = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), **opts).model
+
+    def point(name: str) -> None:
+        if name == "recovery:5":
+            raise Killed(name)
+    monkeypatch.setattr(resume, "kill_point", point)
+    with pytest.raises(Killed):
+        pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), checkpoint_dir=tmp_path, **opts)
+    saved = torch.load(next(tmp_path.glob("state/rank-0/recovery.pt")), weights_only=True)
+    assert saved["step"] == 4  # the checkpoint before the interruption
+    monkeypatch.undo()
+    resumed = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), checkpoint_dir=tmp_path, **opts)
+    assert resumed.record["steps_run"] == resumed.record["steps"] - 4
+    for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), n  # bit for bit
+
+
+@pytest.mark.integration
+def test_cached_teacher_recovers_close_to_the_resident_one(word_tokenizer):
+    teacher, student, _ = pair()
+    res = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False, **QUICK)
+    cac = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False, teacher_mode="cached",
+                         top_k=64, **QUICK)  # k = the whole vocabulary here: the same loss
+    assert cac.record["teacher"] == "cached"
+    assert abs(cac.record["validation_kl_best"] - res.record["validation_kl_best"]) < 1e-3

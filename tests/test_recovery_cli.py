@@ -1,0 +1,121 @@
+"""`pruner recover RUN_DIR` on a shipped run: a run folder whose model/ reloads, and every refusal in one line
+with no output folder (docs/recovery.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pruner.cli import main
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--tokens", "2048", "--set", "recovery.batch_size=4", "--set", "recovery.length=64"]
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "llama"
+    quick = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=8", "--set",
+             "evaluation.bootstrap=20", "--set", "bench.enabled=false", "--set", "evaluation.latency=false",
+             "--set", "recovery.enabled=true", "--set", "recovery.tokens=1024", "--set", "recovery.batch_size=4",
+             "--set", "recovery.length=64"]  # prune, then recover as one more stage
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out), *quick]) == 0
+    return out
+
+
+def test_prune_with_a_recovery_section_recovers_and_exports_the_recovered_weights(llama_run, tmp_path):
+    import pruner
+    from pruner.checkpoints import saving
+
+    m = json.loads((llama_run / "metrics.json").read_text())
+    assert m["recovery"]["tokens"] == 1024 and m["recovery"]["kept"] == "recovered"
+    assert "## Recovery" in (llama_run / "report.md").read_text()
+    assert main(["export", str(llama_run), "--out", str(tmp_path / "exp"), "--format", "compact"]) == 0
+    ids = saving.check_ids(pruner.load(llama_run / "model"))
+    a = saving.logits(pruner.load(llama_run / "model"), ids)
+    b = saving.logits(pruner.load(tmp_path / "exp"), ids)
+    assert (a - b).abs().max() < 1e-2  # the export is model/ (recovered), not base + plan rebuilt
+    import dataclasses
+
+    from pruner.runs import export, folders
+
+    run = folders.load_run(llama_run)
+    plain, _ = export.rebuild(dataclasses.replace(run, metrics={**run.metrics, "recovery": None}), "compact")
+    assert (saving.logits(plain, ids) - a).abs().max() > 1e-2  # what the recovery changed
+
+
+def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, capsys):
+    import pruner
+    from pruner.checkpoints import loading
+
+    out = tmp_path / "rec"
+    assert main(["recover", str(llama_run), "--out", str(out), *SMALL]) == 0
+    assert "damage recovered R" in capsys.readouterr().out
+    m = json.loads((out / "metrics.json").read_text())
+    r = m["recovery"]
+    assert r["data"] == "generated" and r["tokens"] == 2048 and r["method"] == "full"
+    assert list((llama_run / "recovery-cache").glob("generated-*.pt"))  # the teacher's text, kept in the run
+    assert set(r["perplexity"]) >= {"base", "pruned", "recovered", "damage_recovered"}
+    prov = json.loads((out / "provenance.json").read_text())["recovery"]
+    assert prov["budget"] == 2048 and prov["seed"] == 0 and prov["teacher"]["files"]
+    assert "## Recovery" in (out / "report.md").read_text()
+    assert not (out / "state").exists() and not list(tmp_path.glob(".*partial"))
+    rec, pruned = pruner.load(out / "model"), pruner.load(llama_run / "model")
+    assert rec.config.num_attention_heads == pruned.config.num_attention_heads  # the pruned shape, vanilla
+    assert loading.load_model(str(out / "model")).config.num_attention_heads == 4  # plain from_pretrained too
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    return dst
+
+
+def no_model(run, tmp_path):
+    dst = _copy(run, tmp_path)
+    shutil.rmtree(dst / "model")
+    (dst / "model").mkdir()
+    (dst / "model" / "NOT_SAVED.txt").write_text("This pruned model was not saved: no layout holds it.\n")
+    return dst, []
+
+
+def changed_base(run, tmp_path):
+    dst = _copy(run, tmp_path)
+    prov = json.loads((dst / "provenance.json").read_text())
+    prov["model"]["files"] = {k: "0" * 64 for k in prov["model"]["files"]}
+    (dst / "provenance.json").write_text(json.dumps(prov))
+    return dst, []
+
+
+BAD = {
+    "unknown method": (lambda run, tmp: (run, ["--set", "recovery.method=qlora"]), "unknown recovery method"),
+    "budget below a batch": (lambda run, tmp: (run, ["--tokens", "10"]), "below one batch"),
+    "evaluation overlap": (lambda run, tmp: (run, ["--data", "shakespeare:evaluation"]), "overlaps the evaluation"),
+    "no pruned model": (no_model, "no pruned model to recover"),
+    "teacher not the run's base": (changed_base, "the base is not the one"),
+    "disk too small for the cache": (lambda run, tmp: (run, ["--set", "recovery.teacher=cached"]),
+                                     "GiB is free"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_before_training_and_writes_nothing(llama_run, tmp_path, capsys, monkeypatch, case):
+    make, message = BAD[case]
+    run, extra = make(llama_run, tmp_path)
+    if case == "disk too small for the cache":
+        import collections
+
+        import pruner.recovery.teacher as teacher
+
+        usage = collections.namedtuple("usage", "total used free")
+        monkeypatch.setattr(teacher.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1 << 20))
+    out = tmp_path / "out"
+    rc = main(["recover", str(run), "--out", str(out), *SMALL, *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert "recovery:" not in capsys.readouterr().err  # no progress: refused before training
+    assert not out.exists() and not (tmp_path / ".out.partial").exists()
