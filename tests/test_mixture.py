@@ -128,3 +128,24 @@ def test_a_mixture_recipe_names_its_sources_and_holds_back_for_auto():
     assert r.calibration.held_back(r.auto()) == 16 and build_recipe({"model": {"path": "x"}}).calibration.held_back(
         False) == 0
     assert build_recipe(r.model_dump(mode="json")) == r  # the saved recipe reloads
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cli, message", [
+    (["--set", "calibration.data=[shakespeare:calibration, pyton-docs:dev]"],
+     "invalid recipe: calibration.data: unknown source 'pyton-docs:dev'"),
+    (["--set", "calibration.data=[shakespeare:calibration, python-docs:dev]", "--set", "calibration.weights=[0, 0]"],
+     "invalid recipe: calibration: weights must be >= 0 and sum to a positive number, got [0.0, 0.0]"),
+    (["--set", "calibration.holdout=64"], "invalid recipe: calibration: holdout: 64 held-back samples is not smaller"),
+    (["--set", "scorer.name=auto", "--set", "scorer.candidates=[cosine]"],
+     "invalid recipe: (recipe): auto has a single candidate left (cosine + mean)"),
+])
+def test_bad_mixture_and_auto_flags_are_one_line_cli_errors(tmp_path, capsys, cli, message):
+    from pruner.cli import main
+
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gpt2-shakespeare.yaml"
+    code = main(["prune", str(recipe), "--out", str(tmp_path / "r"), *cli])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and message in err and len(err.splitlines()) == 1, err
