@@ -1,12 +1,12 @@
 """Issue 35's evidence: a calibration mixture and `auto`, chosen on development splits, reported on evaluation ones.
 
-    python eval/mixture_auto_study.py --split dev         [--models gpt2-shakespeare,llama-shakespeare] [--windows 64]
+    python eval/mixture_auto_study.py --split dev         [--models gpt2-shakespeare,llama-shakespeare] [--windows 32]
     python eval/mixture_auto_study.py --split evaluation  [--models ...] [--windows 64]
     python eval/mixture_auto_study.py --tables            (prints the tables of every results file written)
 
 Three configurations per shipped decoder and target (10 / 25 / 40 / 50% of the heads, global budget,
 selection.shape any), each evaluated on three kinds of text (perplexity change on `--windows` windows of
-128 tokens, the same windows for every configuration):
+128 tokens, 32 by default: 2 shared CPU cores, the same windows for every configuration):
 
 - `default`: today's default pair (refit-energy + refit, ridge auto), calibrated on the plays (64 windows);
 - `mixture`: the same pair calibrated on a mixture of the three kinds of text, equal shares (64 windows);
@@ -18,7 +18,7 @@ dev plays henry_v + winters_tale (as eval/domain_dev_study.py), and the `python-
 calibration text is ever scored. With `--split evaluation`: calibration `shakespeare:calibration` (+
 `python-docs:dev` + `package-docs:dev` for the mixture), scored on `shakespeare:evaluation`,
 `python-docs:evaluation`, `package-docs:evaluation`; there every other (proxy scorer, mean|refit) pair is
-also scored at 25 and 50% from each calibration, for the issue's target. Writes
+also scored at 25 and 50% from the plays' calibration, for the issue's target. Writes
 eval/results/mixture_auto_<split>.json.
 """
 
@@ -111,9 +111,10 @@ def pairs_run(s, evals, base, config: str, model: str, all_pairs: bool) -> list[
 
 def auto_run(model: str, corpora, evals, base) -> list[dict]:
     out = []
+    auto = session(model, corpora, 16, ["scorer.name=auto", "surgery.compensation=auto"])
     for target in TARGETS:
-        s = session(model, corpora, 16, [f"selection.target={target}", "scorer.name=auto",
-                                         "surgery.compensation=auto"])
+        r = auto.recipe
+        s = replace(auto, recipe=r.model_copy(update={"selection": r.selection.model_copy(update={"target": target})}))
         chosen, inputs, choice = autochoice.choose(s, progress=False)
         plan = pipeline.make_plan(chosen, inputs, progress=False)
         comp = compensating.compensation(s.model, plan.heads, chosen.recipe.surgery, inputs)
@@ -133,7 +134,7 @@ def study(model: str, split: str, windows: int) -> list[dict]:
     base = {k: ppl(s, w) for k, w in evals.items()}
     full = split == "evaluation"
     out = pairs_run(s, evals, base, "default", model, full)
-    out += pairs_run(session(model, corpora, 0), evals, base, "mixture", model, full)
+    out += pairs_run(session(model, corpora, 0), evals, base, "mixture", model, False)
     return out + auto_run(model, corpora, evals, base)
 
 
@@ -185,7 +186,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--split", choices=("dev", "evaluation"))
     p.add_argument("--models", default="gpt2-shakespeare,llama-shakespeare")
-    p.add_argument("--windows", type=int, default=64)
+    p.add_argument("--windows", type=int, default=32)
     p.add_argument("--tables", action="store_true")
     a = p.parse_args()
     if a.tables:

@@ -13,7 +13,7 @@ text) and a scorer whose proxy misleads on this text are both seen for what they
 
 What it costs is stated in the run: the calibration pass reads what every candidate needs (the
 gradient pass for `gradient`, the refit systems for `refit-energy`, ...), then one held-back
-pass per pair. The chosen pair then runs as if named, from the same calibration.
+pass per distinct pruned model (two scorers that chose the same heads are scored once). The chosen pair then runs as if named, from the same calibration.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Choice:
     samples: int             # held-back samples
     tokens: int              # scored tokens in them
     seconds: float           # the calibration pass and every held-back pass
+    passes: int = 0          # held-back passes: one per distinct pruned model, and the unpruned one
 
     def line(self) -> str:
         """Which pair and why, in one line."""
@@ -55,13 +56,13 @@ class Choice:
         return (f"auto: {self.scorer} + {self.compensation}, the lowest held-back perplexity of {len(self.table)} "
                 f"candidates ({best['perplexity']:.2f}, {best['delta']:+.2f} over the unpruned model on "
                 f"{self.samples} held-back samples, {self.tokens} tokens{runner}); choosing took "
-                f"{self.seconds:.1f} s: one calibration pass and {len(self.table)} held-back passes")
+                f"{self.seconds:.1f} s: one calibration pass and {self.passes} held-back passes")
 
     def record(self) -> dict:
         """metrics.json's `auto` block."""
         return {"scorer": self.scorer, "compensation": self.compensation, "line": self.line(), "base": self.base,
                 "samples": self.samples, "tokens": self.tokens, "seconds": round(self.seconds, 1),
-                "passes": {"calibration": 1, "held_back": len(self.table)}, "candidates": self.table}
+                "passes": {"calibration": 1, "held_back": self.passes}, "candidates": self.table}
 
 
 def candidates(session: Session) -> list[tuple[str, str]]:
@@ -134,18 +135,21 @@ def choose(session: Session, progress: bool = True):
     if "refit" in kinds and compensating.needs_pass(inputs, None, refit_spec):  # one pass for every plan's refit
         refits = dict(zip(scorers, compensating.oneshot_refits(session, [plans[s].heads for s in scorers],
                                                                refit_spec)))
-    table = []
+    table, seen = [], {}  # two scorers with the same plan give the same pruned model: scored once
     for scorer, kind in pairs:
         t1 = time.time()
-        spec = probe.recipe.surgery.model_copy(update={"compensation": kind})
-        comp = refits[scorer] if kind == "refit" and scorer in refits else \
-            compensating.shared_compensation(session, plans[scorer].heads, spec, inputs)
-        ppl, _ = _perplexity(pipeline._window_scores(held, plans[scorer].heads, comp))
-        table.append({"scorer": scorer, "compensation": kind, "perplexity": ppl, "delta": ppl - base,
-                      "seconds": round(time.time() - t1, 2)})
+        same = (kind, tuple(sorted((k, tuple(sorted(v))) for k, v in plans[scorer].heads.items())))
+        if same not in seen:
+            spec = probe.recipe.surgery.model_copy(update={"compensation": kind})
+            comp = refits[scorer] if kind == "refit" and scorer in refits else \
+                compensating.shared_compensation(session, plans[scorer].heads, spec, inputs)
+            seen[same] = _perplexity(pipeline._window_scores(held, plans[scorer].heads, comp))[0]
+        table.append({"scorer": scorer, "compensation": kind, "perplexity": seen[same],
+                      "delta": seen[same] - base, "seconds": round(time.time() - t1, 2)})
     table.sort(key=lambda row: row["perplexity"])  # stable: ties keep the candidates' order
     best = table[0]
-    choice = Choice(best["scorer"], best["compensation"], table, base, len(windows), tokens, time.time() - t0)
+    choice = Choice(best["scorer"], best["compensation"], table, base, len(windows), tokens, time.time() - t0,
+                    len(seen) + 1)
     return replace(session, recipe=resolved(r, choice.scorer, choice.compensation)), inputs, choice
 
 
