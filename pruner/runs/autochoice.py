@@ -13,7 +13,8 @@ text) and a scorer whose proxy misleads on this text are both seen for what they
 
 What it costs is stated in the run: the calibration pass reads what every candidate needs (the
 gradient pass for `gradient`, the refit systems for `refit-energy`, ...), then one held-back
-pass per distinct pruned model (two scorers that chose the same heads are scored once). The chosen pair then runs as if named, from the same calibration.
+pass per distinct pruned model (two scorers that chose the same heads are scored once). The
+chosen pair then runs as if named, from the same calibration.
 """
 
 from __future__ import annotations
