@@ -16,8 +16,9 @@ from pruner.pruning.ablation import AblationRequest
 from pruner.pruning.calibrate import calibrate
 
 pytestmark = pytest.mark.integration
-AUTO = {"calibration": {"num_samples": 12, "holdout": 4}, "selection": {"shape": "any", "target": 0.25},
-        "evaluation": {"num_samples": 4, "bootstrap": 20, "latency": False}, "bench": {"enabled": False},
+AUTO = {"calibration": {"num_samples": 12, "holdout": 4, "length": 64},
+        "selection": {"shape": "any", "target": 0.25},
+        "evaluation": {"num_samples": 4, "bootstrap": 20, "latency": False, "length": 64}, "bench": {"enabled": False},
         "scorer": {"name": "auto", "candidates": ["cosine", "fluctuation"]}, "surgery": {"compensation": "auto"}}
 
 
@@ -47,6 +48,12 @@ def test_auto_keeps_the_lowest_heldout_perplexity_and_runs_it_as_if_named():
     assert "\n" not in auto["line"] and auto["samples"] == 4 and auto["passes"]["calibration"] == 1
     assert 2 <= auto["passes"]["held_back"] <= 5  # the unpruned model and each distinct pruned one
 
+    from pruner.runs import report
+
+    text = report.run_report(result.metrics, result.plan.to_json())
+    assert "## How auto chose" in text and auto["line"] in text
+    assert text.count(f"| `{table[-1]['scorer']}` | `{table[-1]['compensation']}` |") == 1
+
     named = _recipe(scorer={"name": auto["scorer"], "candidates": None},
                     surgery={"compensation": auto["compensation"]})
     again = pruner.prune(recipe=named, progress=False)  # holdout 4 without auto: the same sums
@@ -64,6 +71,7 @@ def test_auto_keeps_the_lowest_heldout_perplexity_and_runs_it_as_if_named():
     assert math.exp(float(nll)) == pytest.approx(table[0]["perplexity"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_auto_layer_by_layer_chooses_as_the_whole_model_does():
     """capture.onload: sequential -- the blocks read one at a time for the calibration, the held-back passes and
     the refits -- gives the same table as the whole model."""
