@@ -1,18 +1,19 @@
 """Issue 35's evidence: a calibration mixture and `auto`, chosen on development splits, reported on evaluation ones.
 
     python eval/mixture_auto_study.py --split dev         [--models gpt2-shakespeare,llama-shakespeare] [--windows 32]
-    python eval/mixture_auto_study.py --split evaluation  [--models ...] [--windows 64]
+    python eval/mixture_auto_study.py --split evaluation  [--models ...] [--windows 32]
     python eval/mixture_auto_study.py --tables            (prints the tables of every results file written)
 
 Three configurations per shipped decoder and target (10 / 25 / 40 / 50% of the heads, global budget,
 selection.shape any), each evaluated on three kinds of text (perplexity change on `--windows` windows of
-128 tokens, 32 by default: 2 shared CPU cores, the same windows for every configuration):
+128 tokens, 32 by default for 2 shared CPU cores; the same windows for every configuration):
 
 - `default`: today's default pair (refit-energy + refit, ridge auto), calibrated on the plays (64 windows);
 - `mixture`: the same pair calibrated on a mixture of the three kinds of text, equal shares (64 windows);
 - `auto`: scorer and compensation auto on the same mixture (48 windows summed, 16 held back).
 
-With `--split dev` the texts are development ones only: calibration plays othello + as_you_like_it and
+With `--split dev` (the mixture decision: `default` and `mixture` at 25 and 50%) the texts are
+development ones only: calibration plays othello + as_you_like_it and
 dev plays henry_v + winters_tale (as eval/domain_dev_study.py), and the `python-docs:dev` /
 `package-docs:dev` documents split in two (even documents calibrate, odd ones are the dev text), so no
 calibration text is ever scored. With `--split evaluation`: calibration `shakespeare:calibration` (+
@@ -80,7 +81,7 @@ def ppl(s, windows, heads=None, comp=None) -> float:
     return math.exp(float(nll.sum()) / float(count.sum()))
 
 
-def pairs_run(s, evals, base, config: str, model: str, all_pairs: bool) -> list[dict]:
+def pairs_run(s, evals, base, config: str, model: str, all_pairs: bool, targets=TARGETS) -> list[dict]:
     """The default pair and mean with its scorer at every target; with `all_pairs`, every proxy x mean|refit at
     ALL_PAIRS_AT -- all from one calibration pass."""
     import pruner.core.arch as arch
@@ -93,7 +94,7 @@ def pairs_run(s, evals, base, config: str, model: str, all_pairs: bool) -> list[
     inputs = pipeline.scoring_inputs(s, [get_scorer(n) for n in scorers], CurveRequest(keys), ["mean", "refit"],
                                      progress=False)
     out = []
-    for target in TARGETS:
+    for target in targets:
         cfg = pipeline.selection_config(s.recipe, s.model, target)
         for name in (scorers if target in ALL_PAIRS_AT else [DEFAULT[0]]):
             plan = select(get_scorer(name), inputs, geom, cfg)
@@ -112,10 +113,11 @@ def pairs_run(s, evals, base, config: str, model: str, all_pairs: bool) -> list[
 def auto_run(model: str, corpora, evals, base) -> list[dict]:
     out = []
     auto = session(model, corpora, 16, ["scorer.name=auto", "surgery.compensation=auto"])
+    inputs = None  # one calibration for every target
     for target in TARGETS:
         r = auto.recipe
         s = replace(auto, recipe=r.model_copy(update={"selection": r.selection.model_copy(update={"target": target})}))
-        chosen, inputs, choice = autochoice.choose(s, progress=False)
+        chosen, inputs, choice = autochoice.choose(s, progress=False, inputs=inputs)
         plan = pipeline.make_plan(chosen, inputs, progress=False)
         comp = compensating.compensation(s.model, plan.heads, chosen.recipe.surgery, inputs)
         for text, w in evals.items():
@@ -133,9 +135,10 @@ def study(model: str, split: str, windows: int) -> list[dict]:
     evals = {k: sliding_windows(s.tokenizer, t, 128, bos=True, max_windows=windows) for k, t in kinds.items()}
     base = {k: ppl(s, w) for k, w in evals.items()}
     full = split == "evaluation"
-    out = pairs_run(s, evals, base, "default", model, full)
-    out += pairs_run(session(model, corpora, 0), evals, base, "mixture", model, False)
-    return out + auto_run(model, corpora, evals, base)
+    targets = TARGETS if full else ALL_PAIRS_AT
+    out = pairs_run(s, evals, base, "default", model, full, targets)
+    out += pairs_run(session(model, corpora, 0), evals, base, "mixture", model, False, targets)
+    return out + (auto_run(model, corpora, evals, base) if full else [])
 
 
 def tables(records: list[dict]) -> str:

@@ -27,7 +27,7 @@ from pruner.core import arch, distributed, resume
 from pruner.core.data import mask_tokens
 from pruner.evaluation.perplexity import EvalWindows
 from pruner.pruning.per_layer import CurveRequest
-from pruner.pruning.scoring import get_scorer
+from pruner.pruning.scoring import ScoringInputs, get_scorer
 from pruner.pruning.selection import check_target, curve_key, select
 from pruner.runs import compensating, pipeline
 from pruner.runs.context import Session
@@ -112,8 +112,9 @@ def _perplexity(scores) -> tuple[float, int]:
     return math.exp(float(nll.sum()) / max(int(count.sum()), 1)), int(count.sum())
 
 
-def choose(session: Session, progress: bool = True):
-    """(the session with the chosen recipe, the calibration's inputs, the `Choice`): see the module docstring."""
+def choose(session: Session, progress: bool = True, inputs: ScoringInputs | None = None):
+    """(the session with the chosen recipe, the calibration's inputs, the `Choice`): see the module docstring.
+    `inputs`: a calibration of every candidate already made (one for several targets), not made again."""
     t0 = time.time()
     pairs, r = candidates(session), session.recipe
     windows = heldout_windows(session)
@@ -126,7 +127,9 @@ def choose(session: Session, progress: bool = True):
     if "refit" in kinds:
         pipeline.check_refit_tokens(probe)
     keys = tuple(dict.fromkeys(curve_key(get_scorer(s), geom, cfg) for s in scorers))
-    inputs = pipeline.scoring_inputs(probe, [get_scorer(s) for s in scorers], CurveRequest(keys), kinds, progress)
+    if inputs is None:
+        inputs = pipeline.scoring_inputs(probe, [get_scorer(s) for s in scorers], CurveRequest(keys), kinds,
+                                         progress)
     pick = (lambda f: distributed.from_root(f)) if pipeline.root_keeps(session) else (lambda f: f())
     plans = {s: pick(lambda s=s: select(get_scorer(s), inputs, geom, cfg)) for s in scorers}
     held = replace(session, _evaluation=windows, _downstream=None, checkpoints=resume.NONE)
