@@ -99,4 +99,5 @@ def test_the_plans_of_every_shipped_model_are_todays(name):
                                  batch_size=8, ridge="auto", gradient=True)
     assert all(not m.has_joint for m in inputs.stats.outputs) and inputs.stats.folds is None  # dropped as they went
     check(name, lazy.model, inputs, layerwise=True)
-    assert set(SCORERS) == {k.split("|")[1] for k in GOLDEN}
+    # ablation-shortlist came after the golden plans (issue 35): the ablation's on a shortlist (test_autochoice.py)
+    assert set(SCORERS) - {"ablation-shortlist"} == {k.split("|")[1] for k in GOLDEN}

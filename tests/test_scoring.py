@@ -10,6 +10,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.core import arch
 from pruner.core.data import pad
 from pruner.pruning import scoring
+from pruner.pruning.ablation import AblationRequest
 from pruner.pruning.calibrate import calibrate, gradient_importance, lm_loss
 from pruner.pruning.compensation import compensate
 from pruner.pruning.selection import SelectionConfig, SelectionError, convention_sensitivity, select
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.integration
 def llama_inputs():
     model = tiny_model("llama")
     batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
-    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True, ablation=("mean", 4))
+    measured = AblationRequest("mean", 4, 0.5, ("ablation", "ablation-shortlist"))
+    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True, ablation=measured)
 
 
 def test_unknown_scorer_lists_valid_and_suggests():

@@ -10,7 +10,7 @@ from typing import Any
 from pruner.api.calls import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
 from pruner.core import arch, distributed, environment, outputs, resume, runtime
 from pruner.runs import provenance, resources
-from pruner.runs.recipe import AnalyzeSpec
+from pruner.runs.analyze_spec import AnalyzeSpec
 
 
 @dataclass

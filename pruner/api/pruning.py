@@ -10,7 +10,7 @@ from pruner.api.calls import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
-from pruner.runs import comparison, compensating, pipeline, provenance, recovering, report
+from pruner.runs import autochoice, comparison, compensating, pipeline, provenance, recovering, report
 from pruner.runs import folders as runs
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
@@ -24,7 +24,7 @@ def plan(model=None, tokenizer=None, data=None, *, recipe=None, progress: bool =
     id). The plan carries its calibration, so `apply` can compensate from it.
     """
     call = resolve_call(model, tokenizer, data, recipe, overrides)
-    return pipeline.make_plan(call.session(progress, evaluation=False), progress=progress)
+    return autochoice.plan(call.session(progress, evaluation=False), progress=progress)
 
 
 def apply(model, plan: Plan, compensation: str = "refit", mode: str = "mask", ridge: float | str = "auto"):
@@ -107,7 +107,7 @@ def _prune(call: Call, progress: bool, checkpoint_dir=None) -> Result:
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
     session = call.session(progress, checkpoints=checkpoints, whole_model=bool(call.recipe.evaluation.tasks))
-    done = pipeline.run(session, progress)
+    done = autochoice.prune(session, progress)
     return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov,
                   done.onloader)
 

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from pruner.core import assets, pydocs
+from pruner.core import assets, pkgdocs, pydocs
 
 
 class DataError(ValueError):
@@ -33,7 +33,8 @@ class TextSource:
     """Where text comes from: a local file/folder, a shipped split, or a Hub dataset.
 
     `path` is tried in this order: `shakespeare:<split>` (shipped corpus),
-    `python-docs:<dev|evaluation>` (the standard library's docstrings, `pruner.core.pydocs`), an
+    `python-docs:<dev|evaluation>` (the standard library's docstrings, `pruner.core.pydocs`),
+    `package-docs:<dev|evaluation>` (pruner's dependencies' READMEs, `pruner.core.pkgdocs`), an
     existing local file or folder (every `*.txt` inside, sorted), otherwise a Hub
     dataset id loaded with `datasets.load_dataset(path, name, split=split)`.
     """
@@ -76,6 +77,8 @@ def load_texts(source: TextSource) -> list[str]:
     path = source.path
     if path.startswith(pydocs.PREFIX):  # the running Python's standard-library docstrings
         return list(pydocs.texts(path.removeprefix(pydocs.PREFIX)))
+    if path.startswith(pkgdocs.PREFIX):  # the installed dependencies' long descriptions
+        return list(pkgdocs.texts(path.removeprefix(pkgdocs.PREFIX)))
     if path.startswith("shakespeare:"):
         path = str(assets.shakespeare(path.split(":", 1)[1]))
     local = Path(path).expanduser()
@@ -98,6 +101,23 @@ def load_texts(source: TextSource) -> list[str]:
     if not texts:
         raise DataError(f"no text in {source.path!r}")
     return texts
+
+
+SHIPPED_KINDS = {"shakespeare:": assets.SPLITS, pydocs.PREFIX: pydocs.SPLITS, pkgdocs.PREFIX: pkgdocs.SPLITS}
+
+
+def check_source(path: str) -> str:
+    """`path` if it can name text: a shipped kind with one of its splits, an existing file or folder, or a Hub
+    dataset id (no colon). Anything else is refused in one line before any text is read."""
+    for prefix, splits in SHIPPED_KINDS.items():
+        if path.startswith(prefix):
+            if path.removeprefix(prefix) not in splits:
+                raise DataError(f"unknown source {path!r}: {prefix.rstrip(':')} has the splits {', '.join(splits)}")
+            return path
+    if ":" in path and not Path(path).expanduser().exists():
+        raise DataError(f"unknown source {path!r}: not a file or folder, and not one of "
+                        f"{', '.join(k + '<split>' for k in SHIPPED_KINDS)} (Hub dataset ids have no colon)")
+    return path
 
 
 def bos_token_id(tokenizer) -> int:

@@ -33,8 +33,11 @@ class Ablations:
     passes: int
     seconds: float
 
-    def cost(self) -> dict:
-        return {"passes": self.passes, "windows": self.windows, "seconds": round(self.seconds, 1)}
+    def cost(self, only: torch.Tensor | None = None) -> dict:
+        """Passes over the windows, and seconds: of every head measured here, or of the `only` heads alone
+        (the shortlist's own cost when the whole ablation was measured in the same run: its share of the time)."""
+        passes = self.passes if only is None else int(only.sum()) + 1
+        return {"passes": passes, "windows": self.windows, "seconds": round(self.seconds * passes / self.passes, 1)}
 
 
 def subset(batch: TokenBatch, n: int) -> TokenBatch:
@@ -61,14 +64,40 @@ def token_nll(model, batch: TokenBatch, labels: torch.Tensor | None = None, batc
     return total, count
 
 
+@dataclass(frozen=True)
+class AblationRequest:
+    """What the measured scorers ask of calibration: each head removed alone with `compensation`, on the first
+    `samples` samples -- every head for `ablation`, and for `ablation-shortlist` only the `shortlist` share of
+    each layer's heads that the refit-aware proxy finds cheapest (`shortlist_of`)."""
+
+    compensation: str
+    samples: int
+    shortlist: float = 0.5
+    scorers: tuple[str, ...] = ("ablation",)
+
+
+def shortlist_of(proxy: torch.Tensor, share: float) -> torch.Tensor:
+    """The `share` of each layer's heads (at least one) with the lowest proxy importance: (layer, head) bool.
+
+    The cheaper measured variant re-measures only what the best proxy would prune first: the
+    measurement corrects the proxy's order where it matters, at `share` of the passes."""
+    L, H = proxy.shape
+    k = max(1, min(H, round(share * H)))
+    order = torch.argsort(proxy.double() + torch.arange(H, dtype=torch.float64) * 1e-12, dim=1)  # ties by head
+    out = torch.zeros(L, H, dtype=torch.bool)
+    out.scatter_(1, order[:, :k], True)
+    return out
+
+
 def single_head_ablations(model, batch: TokenBatch, compensate: Callable[[surgery.HeadSet], surgery.Compensation],
                           labels: torch.Tensor | None = None, batch_size: int = 8,
-                          progress: bool = False) -> Ablations:
+                          progress: bool = False, only: torch.Tensor | None = None) -> Ablations:
     """Mean calibration NLL with each head removed alone, minus the unpruned model's. (layer, head)
 
     `compensate(heads)` gives the compensation of removing `heads` (zero, mean or refit, as the
-    run applies it). With several processes each takes every world-th sample; the sums are
-    added in rank order, so any process count gives the same numbers.
+    run applies it). `only` ((layer, head) bool): measure those heads alone, NaN elsewhere. With
+    several processes each takes every world-th sample; the sums are added in rank order, so any
+    process count gives the same numbers.
     """
     g = arch.geometry(model)
     mine = distributed.shard_indices(len(batch))
@@ -82,8 +111,8 @@ def single_head_ablations(model, batch: TokenBatch, compensate: Callable[[surger
         return s / max(c, 1.0)
 
     base = loss()
-    out = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
-    heads = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads)]
+    out = torch.full((g.n_layers, g.n_heads), float("nan"), dtype=torch.float64)
+    heads = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads) if only is None or only[layer, h]]
     for layer, h in tqdm(heads, desc="ablation", unit="head") if progress else heads:
         one = {layer: [h]}
         with surgery.masked(model, one, compensate(one)):

@@ -7,6 +7,7 @@ computed here once, so every attention-based scorer reuses one capture pass.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator
 
 import torch
@@ -17,7 +18,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch, mask_tokens
 from pruner.core.runtime import attends_causally, forward
-from pruner.pruning.ablation import Ablations, single_head_ablations, subset
+from pruner.pruning.ablation import AblationRequest, Ablations, shortlist_of, single_head_ablations, subset
 from pruner.pruning.compensation import compensate
 from pruner.pruning.per_layer import (  # noqa: F401  (PRICING_RIDGE: re-exported)
     PRICING_RIDGE,
@@ -136,14 +137,14 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
 def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
               batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float | str = 1e-3,
-              checkpoints: resume.Checkpoints = resume.NONE, ablation: tuple[str, int] | None = None,
+              checkpoints: resume.Checkpoints = resume.NONE, ablation: AblationRequest | tuple | None = None,
               curves: CurveRequest | None = None) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
     `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it
     (with "auto", chosen per pruned set only once the set is known, it prices them at `PRICING_RIDGE`).
-    `ablation` = (compensation, samples): also measure every head removed alone on the first
-    `samples` calibration samples (`pruner.pruning.ablation`, the `ablation` scorer).
+    `ablation` = `AblationRequest` (or its (compensation, samples)): also measure heads removed alone on the
+    first `samples` calibration samples (`pruner.pruning.ablation`, the measured scorers).
     With `checkpoints` both passes save their sums now and then and resume from them.
 
     With `curves`, the selection curves asked for are built a layer at a time (each layer's W_O^T W_O formed,
@@ -165,14 +166,20 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
-    measured = None if ablation is None else _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress)
-    increase = None if measured is None else measured.increase
-    costs = {} if measured is None else {"ablation": measured.cost()}
+    increase, costs, short = None, {}, None
+    if ablation is not None:
+        ablation = ablation if isinstance(ablation, AblationRequest) else AblationRequest(*ablation)
+        short = None if "ablation-shortlist" not in ablation.scorers else \
+            shortlist_of(_proxy(model, stats, ridge, seed), ablation.shortlist)
+        measured = _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress,
+                              None if "ablation" in ablation.scorers else short)
+        increase = measured.increase
+        costs = {name: measured.cost(None if name == "ablation" else short) for name in ablation.scorers}
     if curves is not None:
         finisher = LayerFinisher(model, curves, seed=seed, ridge=ridge)
         for layer in range(arch.geometry(model).n_layers):
             finisher.add(layer, stats.layer(layer))
-        return finisher.inputs(stats, grad, increase, costs)
+        return replace(finisher.inputs(stats, grad, increase, costs), shortlist=short)
     grams = layer_grams(model)
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     joint = stats.outputs[0].has_joint
@@ -180,13 +187,25 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
                          weight_norm=weight_norms(model), gradient=grad, seed=seed,
                          cross=cross_energy(stats.outputs, grams) if joint else None,
                          layer_gram=grams if joint else None, intercept=intercept, ridge=pricing_ridge(ridge),
-                         ablation=increase, costs=costs)
+                         ablation=increase, costs=costs, shortlist=short)
 
 
-def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: tuple[str, int], ridge, seed: int,
-               progress: bool) -> Ablations:
-    """Single-head ablations on the first samples, compensated as the run compensates (masked LM: seeded masks)."""
-    kind, n = ablation
+def _proxy(model, stats, ridge, seed: int) -> torch.Tensor:
+    """The refit-aware proxy's importances with every head alive (layer, head): what the shortlist is drawn by."""
+    from pruner.pruning.per_layer import one_layer_inputs
+    from pruner.pruning.scoring import get_scorer
+
+    g, scorer = arch.geometry(model), get_scorer("refit-energy")
+    rows = [scorer(one_layer_inputs(model, layer, stats.layer(layer), seed=seed, ridge=ridge),
+                   torch.ones(1, g.n_heads, dtype=torch.bool))[0] for layer in range(g.n_layers)]
+    return torch.stack(rows)
+
+
+def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: AblationRequest, ridge, seed: int,
+               progress: bool, only: torch.Tensor | None) -> Ablations:
+    """Single-head ablations on the first samples (`only`: those heads), compensated as the run compensates
+    (masked LM: seeded masks)."""
+    kind, n = ablation.compensation, ablation.samples
     sub, labels = subset(batch, n), None
     if not attends_causally(model):
         if not (hasattr(model, "cls") or hasattr(model, "lm_head")):
@@ -195,4 +214,4 @@ def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: tuple[str, 
                                      torch.Generator().manual_seed(seed))
         sub = TokenBatch(masked, sub.attention_mask)
     return single_head_ablations(model, sub, lambda heads: compensate(model, heads, stats.outputs, kind, ridge, stats.folds),
-                                 labels, progress=progress)
+                                 labels, progress=progress, only=only)

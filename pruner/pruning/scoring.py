@@ -31,6 +31,7 @@ class ScoringInputs:
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
     ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
+    shortlist: Tensor | None = None  # (layer, head) bool: the heads ablation-shortlist measured
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
     layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head) float32: W_O^T W_O of each whole projection
@@ -57,7 +58,8 @@ class ScoringInputs:
         cut = slice(index, index + 1)
         per = lambda x: None if x is None else x[cut]  # noqa: E731
         return ScoringInputs(stats=self.stats.layer(index), gram=per(self.gram), weight_norm=per(self.weight_norm),
-                             gradient=per(self.gradient), ablation=per(self.ablation), seed=self.seed,
+                             gradient=per(self.gradient), ablation=per(self.ablation),
+                             shortlist=per(self.shortlist), seed=self.seed,
                              cross=per(self.cross), layer_gram=per(self.layer_gram), intercept=self.intercept[cut],
                              ridge=self.ridge, costs=self.costs, position=(index, self.n_layers))
 
@@ -292,6 +294,20 @@ def _ablation(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     return inputs.ablation
 
 
+def _ablation_shortlist(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """The cheaper measured scorer: the loss increase of removing the head alone (with the run's compensation)
+    for the shortlist of each layer -- the heads the refit-aware proxy would prune first -- and, above every
+    measured head, the others in head order (never pruned before a measured head). `shortlist` x L x H + 1 passes instead of L x H + 1."""
+    if inputs.ablation is None or inputs.shortlist is None:
+        raise ValueError("the ablation-shortlist scorer needs measured ablations of its shortlist (calibrate with "
+                         "ablation=AblationRequest(..., scorers=('ablation-shortlist',)))")
+    short = inputs.shortlist
+    measured = torch.where(short, inputs.ablation, torch.zeros_like(inputs.ablation))
+    top = float(measured.abs().max()) + 1.0
+    rank = (~short).cumsum(-1).to(measured.dtype) / short.shape[-1]  # unmeasured heads, in head order
+    return torch.where(short, measured, top + rank)
+
+
 def _entropy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     """Full-row entropy (bertology style): the lowest-entropy heads go first."""
     return inputs.stats.entropy_full
@@ -337,6 +353,10 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
            "after W_O, lowest pruned first", reads="head outputs (no attention rows)"),
     Scorer("ablation", _ablation, needs_ablation=True, doc="measured: calibration-loss increase when the head "
            "alone is removed with the run's compensation", reads="the loss (L x H extra passes)"),
+    Scorer("ablation-shortlist", _ablation_shortlist, needs_ablation=True, reads_joint=True,
+           doc="measured on a shortlist: the ablation of each layer's heads the refit-aware proxy finds "
+               "cheapest (scorer.shortlist of them), the rest kept above", reads="the loss (shortlist x L x H "
+                                                                                 "extra passes)"),
     Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
 ]}
 

@@ -153,7 +153,7 @@ def _what_was_pruned(run: Run, fmt: str, model, params: int, saved: saving.Saved
         f"- format: {_format_text(fmt, model, saved, gplan)}",
         _storage_text(run, saved),
         f"- parameters: {m['params_before']:,} (base) -> {params:,} (this checkpoint)",
-        f"- calibration: {cal.num_samples} {cal.unit} of {cal.length} tokens from `{cal.data}`; "
+        f"- calibration: {cal.num_samples} {cal.unit} of {cal.length} tokens from `{', '.join(cal.sources())}`; "
         f"sinks `{m['sinks']['mode']}`", "",
     ]
     notes = [report.sensitivity_text(m), run.base_note and f"**Base model check.** {run.base_note}",

@@ -14,7 +14,7 @@ from pruner.attention.capture import resolve_auto_sinks
 from pruner.attention.sinks import SinkSpec, check_content, default_spec
 from pruner.checkpoints import loading
 from pruner.checkpoints.lazy import lazy_model
-from pruner.core import arch, assets, data, distributed, resume, runtime
+from pruner.core import arch, assets, data, distributed, mixture, resume, runtime
 from pruner.evaluation import downstream, tasks
 from pruner.evaluation.perplexity import EvalWindows, masked_lines, sliding_windows
 from pruner.runs import memory_plan, resources
@@ -40,6 +40,7 @@ class Session:
     _downstream: downstream.Downstream | None = field(default=None, repr=False)
     checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
     onloader: object | None = field(default=None, repr=False)  # capture.onload sequential: the blocks stay on disk
+    heldout: data.TokenBatch | None = None  # calibration.holdout's samples, never in the sums (auto scores on them)
 
     @property
     def evaluation(self) -> EvalWindows:
@@ -58,8 +59,19 @@ class Session:
         return self._downstream
 
 
-def _source(spec) -> data.TextSource:
-    return data.TextSource(spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
+def _source(spec, path: str | None = None) -> data.TextSource:
+    return data.TextSource(path or spec.data, split=spec.split, text_column=spec.text_column, name=spec.name)
+
+
+def calibration_samples(recipe: Recipe, tokenizer, texts: list[str] | None = None):
+    """(calibration samples, held-back samples or None): the recipe's source or mixture (`pruner.core.mixture`),
+    or `texts` given in memory as its one source."""
+    cal = recipe.calibration
+    sources = cal.sources() if texts is None else ["(in memory)"]
+    corpora = [texts] if texts is not None else [data.load_texts(_source(cal, s)) for s in sources]
+    return mixture.mixed_samples(tokenizer, corpora, cal.unit, cal.length, weights=cal.weights if texts is None
+                                 else None, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed,
+                                 holdout=cal.held_back(recipe.auto()), names=sources)
 
 
 def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
@@ -98,12 +110,11 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     tok = tokenizer if tokenizer is not None else loading.load_tokenizer(m.path, m.trust_remote_code)
     causal = runtime.attends_causally(model)
     cal = recipe.calibration
-    texts = calibration_texts if calibration_texts is not None else data.load_texts(_source(cal))
-    batch = data.samples(tok, texts, cal.unit, cal.length, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed)
+    batch, heldout = calibration_samples(recipe, tok, calibration_texts)
     s = recipe.sinks
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
     session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints,
-                      onloader=onloader)
+                      onloader=onloader, heldout=heldout)
     if evaluation and whole_model and onloader is not None:  # needed later and cannot fit: refused before compute
         _check_whole_model_fits(m, onloader.folder)
     if evaluation:

@@ -22,6 +22,7 @@ from pruner.core import arch, distributed
 from pruner.evaluation import bench
 from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
 from pruner.pruning import refit, surgery
+from pruner.pruning.ablation import AblationRequest
 from pruner.pruning.calibrate import calibrate
 from pruner.pruning.layerwise import calibrate_layerwise
 from pruner.pruning.per_layer import CurveRequest
@@ -71,7 +72,9 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
-                     ablation=(r.surgery.compensation, r.scorer.ablation_samples) if ablation else None, curves=request)
+                     ablation=AblationRequest(r.surgery.compensation, r.scorer.ablation_samples, r.scorer.shortlist,
+                                               tuple(s.name for s in scorers if s.needs_ablation)) if ablation else None,
+                     curves=request)
 
 
 def stage(session: Session, name: str, compute):
@@ -229,8 +232,9 @@ class RunResult:
                                     # happens block by block as the run folder's model/ is written
 
 
-def run(session: Session, progress: bool = True) -> RunResult:
-    """`pruner prune`: calibrate, score, select, evaluate (scoped mask), then prune the model in place."""
+def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = None) -> RunResult:
+    """`pruner prune`: calibrate (unless `inputs` are given), score, select, evaluate (scoped mask), then prune
+    the model in place."""
     t0 = time.time()
     recipe, model = session.recipe, session.model
     if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
@@ -238,7 +242,7 @@ def run(session: Session, progress: bool = True) -> RunResult:
                              "the pruned checkpoint (model/)")
     if recipe.surgery.compensation == "refit":
         check_refit_tokens(session)
-    plan = make_plan(session, progress=progress)
+    plan = make_plan(session, inputs, progress=progress)
     layerwise = session.onloader is not None and not recipe.evaluation.tasks  # tasks run the whole model
     if not layerwise:
         resident(session)

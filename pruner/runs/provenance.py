@@ -93,11 +93,14 @@ def tokenizer_identity(name_or_path: str) -> dict:
 def data_identity(path: str, name: str | None = None, split: str = "train", text_column: str = "text") -> dict:
     """Identity of a data source's text (as a recipe's data section names it): file hashes, or a Hub
     dataset's `datasets` fingerprint."""
-    from pruner.core import data, pydocs
+    from pruner.core import data, pkgdocs, pydocs
 
     if path.startswith(pydocs.PREFIX):  # the interpreter's own docstrings: its version and the texts' hash
         return {**texts_identity(data.load_texts(data.TextSource(path))), "kind": "python-docs", "source": path,
                 "python": pydocs.python_version()}
+    if path.startswith(pkgdocs.PREFIX):  # the installed dependencies' READMEs: their versions and the texts' hash
+        return {**texts_identity(data.load_texts(data.TextSource(path))), "kind": "package-docs", "source": path,
+                "packages": pkgdocs.versions()}
     local = Path(str(assets.shakespeare(path.split(":", 1)[1])) if path.startswith("shakespeare:") else path).expanduser()
     if local.exists():
         files = data._local_files(local)
@@ -143,7 +146,11 @@ def identity(recipe, *, model=None, tokenizer_given: bool = False, calibration_t
     held = model is not None
     out = {"model": object_identity(model, path) if held else model_identity(path, recipe.model.mlm_readout),
            "tokenizer": {"kind": "object", "name": path} if tokenizer_given and held else tokenizer_identity(path)}
-    section = lambda d: data_identity(d.data, d.name, d.split, d.text_column)  # noqa: E731
+    def section(d) -> dict:
+        if isinstance(d.data, list):  # a mixture: each source's identity, and the weights
+            return {"kind": "mixture", "weights": d.weights,
+                    "sources": [data_identity(p, d.name, d.split, d.text_column) for p in d.data]}
+        return data_identity(d.data, d.name, d.split, d.text_column)
     data = {"calibration": texts_identity(calibration_texts) if calibration_texts is not None
             else section(recipe.calibration)}
     if evaluation:

@@ -8,11 +8,12 @@ resolved recipe is saved next to every result.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
+from pruner.core import mixture
 from pruner.pruning.scoring import SCORERS
 from pruner.recovery.spec import RecoverySpec
 
@@ -38,7 +39,8 @@ class DataSpec(_Strict):
     """Calibration text (the shipped Shakespeare calibration plays unless `data` says otherwise)."""
 
     data: str = Field("shakespeare:calibration", min_length=1,
-                      description="shakespeare:<split>, python-docs:<dev|evaluation>, local file/folder, or Hub dataset id")
+                      description="shakespeare:<split>, python-docs:<dev|evaluation>, package-docs:<dev|evaluation>, "
+                                  "local file/folder, or Hub dataset id")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -49,6 +51,40 @@ class DataSpec(_Strict):
     bos: bool = True
     seed: int = 0
     batch_size: int = Field(8, ge=1)
+
+    @field_validator("data")
+    @classmethod
+    def _sources(cls, v):
+        return mixture.check_sources(v)  # a mixture's list too (CalibrationSpec)
+
+
+class CalibrationSpec(DataSpec):
+    """Calibration text: one source, or a mixture of sources (`pruner.core.mixture`), and a held-back slice."""
+
+    data: str | list[str] = Field(
+        "shakespeare:calibration", description="one source (shakespeare:<split>, python-docs:<dev|evaluation>, "
+                                               "package-docs:<dev|evaluation>, local file/folder, or Hub dataset "
+                                               "id), or a list of them: a mixture, each sample from one source")
+    weights: list[float] | None = Field(None, description="a mixture's share of the samples per source (default: "
+                                                          "equal shares)")
+    holdout: int | None = Field(None, ge=0, description="samples held back from the calibration sums, from every "
+                                                        "source by the weights: what scorer.name / "
+                                                        "surgery.compensation auto score their candidates on "
+                                                        "(default: a quarter of num_samples with auto, else 0)")
+
+    @model_validator(mode="after")
+    def _mixture(self):
+        mixture.check_shares(len(self.sources()), self.weights, self.num_samples, self.holdout)
+        return self
+
+    def sources(self) -> list[str]:
+        return [self.data] if isinstance(self.data, str) else list(self.data)
+
+    def held_back(self, auto: bool) -> int:
+        """The samples held back: `holdout`, else a quarter of num_samples (at least 1) for auto, else none."""
+        if self.holdout is not None:
+            return self.holdout
+        return max(1, (self.num_samples or 64) // 4) if auto else 0
 
 
 class SinkSection(_Strict):
@@ -71,19 +107,47 @@ class SinkSection(_Strict):
 class ScorerSpec(_Strict):
     # the refit-aware scorer: with refit, the best mean rank on the development splits of three
     # decoders and two kinds of text (eval/domain_dev_study.py; docs/scorers.md)
-    name: str = "refit-energy"
+    name: str = Field("refit-energy", description="a registered scorer, or auto: each candidate's plan scored on "
+                                                   "the held-back calibration samples, the best kept")
     convention: Literal["full", "content"] | None = None
     ablation_samples: int = Field(16, ge=1, description="ablation scorer: calibration samples each single-head "
                                                         "removal is measured on (layers x heads passes over them)")
+    shortlist: float = Field(0.5, gt=0, le=1, description="ablation-shortlist scorer: the share of each layer's "
+                                                          "heads, cheapest by refit-energy, that it measures")
+    candidates: list[str] | None = Field(None, description="auto: the scorers it chooses among (default: every "
+                                                           "proxy, `AUTO_SCORERS`)")
 
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in SCORERS:
-            near = difflib.get_close_matches(v, SCORERS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}")
+        return v if v == "auto" else _scorer_name(v)
+
+    @field_validator("candidates")
+    @classmethod
+    def _known_candidates(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for name in v:
+                _scorer_name(name)
+            if len(set(v)) < len(v):
+                raise ValueError(f"a candidate is listed twice: {v}")
         return v
+
+    def choices(self) -> list[str]:
+        """The scorers a run may use: auto's candidates, else the one named."""
+        return [self.name] if self.name != "auto" else list(self.candidates or AUTO_SCORERS)
+
+
+# every proxy scorer: what auto chooses among unless scorer.candidates says otherwise (random is a yardstick;
+# the measured ones cost passes per head: named in scorer.candidates, they are candidates too)
+AUTO_SCORERS = tuple(n for n, s in SCORERS.items() if n != "random" and not s.needs_ablation)
+
+
+def _scorer_name(v: str) -> str:
+    if v not in SCORERS:
+        near = difflib.get_close_matches(v, [*SCORERS, "auto"], n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}, auto")
+    return v
 
 
 class SelectionSpec(_Strict):
@@ -124,7 +188,15 @@ class SurgerySpec(_Strict):
     mode: Literal["mask", "remove"] = "mask"
     # refit by default: the compensation chosen on the development split
     # (eval/refit_study.py; docs/compensation.md); it needs no bias, so every family gets it
-    compensation: Literal["zero", "mean", "refit"] = "refit"
+    compensation: Literal["zero", "mean", "refit", "auto"] = Field(
+        "refit", description="auto: each of surgery.candidates tried on the held-back calibration samples, the "
+                             "best kept")
+    candidates: list[Literal["zero", "mean", "refit"]] | None = Field(
+        None, description="auto: the compensations it chooses among (default: mean, refit)")
+
+    def choices(self) -> list[str]:
+        """The compensations a run may use: auto's candidates, else the one named."""
+        return [self.compensation] if self.compensation != "auto" else list(self.candidates or ("mean", "refit"))
     ridge: float | Literal["auto"] = Field(
         "auto", description="refit: ridge relative to the mean diagonal of each layer's second moment, or auto: "
                             "chosen per layer by cross-validation over calibration folds (docs/compensation.md)")
@@ -149,7 +221,8 @@ class SurgerySpec(_Strict):
 
 class EvaluationSpec(DataSpec):
     data: str = Field("shakespeare:evaluation", min_length=1,
-                      description="shakespeare:<split>, python-docs:<dev|evaluation>, local file/folder, or Hub dataset id")
+                      description="shakespeare:<split>, python-docs:<dev|evaluation>, package-docs:<dev|evaluation>, "
+                                  "local file/folder, or Hub dataset id")
     num_samples: int | None = Field(64, ge=1, description="max windows / lines evaluated")
     bootstrap: int = Field(1000, ge=0)
     latency: bool = True
@@ -271,7 +344,7 @@ class BenchSpec(_Strict):
 
 class Recipe(_Strict):
     model: ModelSpec
-    calibration: DataSpec = DataSpec()
+    calibration: CalibrationSpec = CalibrationSpec()
     evaluation: EvaluationSpec = EvaluationSpec()
     sinks: SinkSection = SinkSection()
     scorer: ScorerSpec = ScorerSpec()
@@ -285,46 +358,27 @@ class Recipe(_Strict):
     threads: int | None = Field(None, ge=1)
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _auto(self):
+        """auto's candidates: given only with auto, and more than one pair of scorer and compensation left."""
+        for key, auto, given in (("scorer.candidates", self.scorer.name == "auto", self.scorer.candidates),
+                                 ("surgery.candidates", self.surgery.compensation == "auto", self.surgery.candidates)):
+            if given is not None and not auto:
+                raise ValueError(f"{key} applies only with auto ({key.split('.')[0]} "
+                                 f"{'name' if key.startswith('scorer') else 'compensation'}: auto)")
+        if self.auto():
+            pairs = len(self.scorer.choices()) * len(set(self.surgery.choices()))
+            if pairs < 2:
+                raise ValueError(f"auto has a single candidate left ({self.scorer.choices()[0]} + "
+                                 f"{self.surgery.choices()[0]}): name it instead, or give auto more candidates")
+        return self
+
+    def auto(self) -> bool:
+        """Whether the scorer or the compensation is chosen on the held-back samples (`pruner.runs.autochoice`)."""
+        return self.scorer.name == "auto" or self.surgery.compensation == "auto"
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-class AnalyzeSpec(_Strict):
-    """Options of `pruner analyze` / `pruner sinks` / `pruner.analyze` (they are flags, not a recipe)."""
-
-    sinks: str | None = Field(None, description="first | bos | special | auto | ids:ID,... | positions:P,...")
-    unit: Literal["windows", "lines"] | None = None
-    max_length: int = Field(128, ge=4, le=131072)
-    num_samples: int | None = Field(64, ge=1)
-    metrics: list[str] = Field(["cosine", "js"], min_length=1)
-    thresholds: dict[str, float] = {}
-    clusters: int | None = Field(None, ge=2)
-    seed: int = 0
-    batch_size: int = Field(8, ge=1)
-    chunk_size: int = Field(128, ge=1)
-    bos: bool = True
-    threads: int | None = Field(None, ge=1)
-    trust_remote_code: bool = False
-    memory_check: bool = True
-    checkpoint_every_seconds: float | None = Field(600, ge=0)
-    checkpoint_every_batches: int | None = Field(None, ge=1)
-
-    @field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, v: list[str]) -> list[str]:
-        from pruner.attention.pairs import PAIR_METRICS
-
-        bad = [m for m in v if m not in PAIR_METRICS]
-        if bad:
-            raise ValueError(f"unknown pair metrics {bad}; valid: {', '.join(PAIR_METRICS)}")
-        return v
-
-    @classmethod
-    def validated(cls, values: dict[str, Any]) -> "AnalyzeSpec":
-        try:
-            return cls.model_validate(values)
-        except ValidationError as e:
-            raise RecipeError(error_message(e).replace("invalid recipe", "invalid option", 1)) from None
 
 
 def error_message(e: ValidationError, prefix: str | None = None) -> str:

@@ -224,6 +224,17 @@ def plot_refit(metrics: dict, path: Path) -> bool:
     return True
 
 
+def auto_table(auto: dict) -> str:
+    """The candidates `auto` scored on the held-back calibration samples, best first (`pruner.runs.autochoice`)."""
+    rows = [[f"`{c['scorer']}`", f"`{c['compensation']}`", f"{c['perplexity']:.2f}", f"{c['delta']:+.2f}",
+             f"{c['seconds']:.1f}"] for c in auto["candidates"]]
+    return "\n".join([
+        "## How auto chose", "", auto["line"] + ".", "",
+        f"Held-back perplexity of each candidate at the target ({auto['samples']} calibration samples never in the "
+        f"sums, {auto['tokens']} tokens; the unpruned model {auto['base']:.2f}); best first:", "",
+        markdown_table(["scorer", "compensation", "perplexity", "change", "seconds"], rows)])
+
+
 def plan_table(plan: dict) -> str:
     """The pruned heads in selection order (`plan` as in plan.json)."""
     return markdown_table(
@@ -249,6 +260,8 @@ def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
              result_table(metrics), ""]
     if metrics.get("layer_by_layer"):
         lines += [f"Layer by layer: {metrics['layer_by_layer']}.", ""]
+    if metrics.get("auto"):
+        lines += [auto_table(metrics["auto"]), ""]
     if metrics["evaluation"].get("tasks"):
         lines += ["## Downstream tasks (same documents; bootstrap CI over documents)", "",
                   accuracy_table(metrics["evaluation"]["tasks"]), ""]
