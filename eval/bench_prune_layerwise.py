@@ -141,8 +141,9 @@ def case(args, layers: int | None) -> dict:
                                     eval_windows=args.eval_windows, threads=args.threads) + RECIPES[args.recipe].format())
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(Path(args.code).resolve())} if args.code else None  # another checkout
-    done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
-                              env)
+    where = [str(ROOT / "eval" / "peak_where.py"), str(work / "where.json")] if args.where else []
+    done, peaks = run_sampled([sys.executable, *where, "-m", "pruner.cli", "prune", str(recipe), "--out",
+                               str(work / "run")], env)
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(done.stderr[-3000:])
@@ -171,6 +172,11 @@ def case(args, layers: int | None) -> dict:
           f"{gib(interp):.2f}): {gib(peaks['RssAnon'] - session):.2f} GiB; predicted "
           f"{gib(pred['peak']):.2f} GiB (in {pred['stage']}): measured/predicted {r['measured_over_predicted']:.2f}")
     out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{tag}.json"
+    if args.where:
+        r["where"] = json.loads((work / "where.json").read_text())
+        print("  peak at: " + " <- ".join(reversed(r["where"]["stack"][-6:])))
+        for stage, peak in sorted(r["where"]["stages"].items(), key=lambda kv: -kv[1]):
+            print(f"    {stage}: {gib(peak - session):.2f} GiB above the session")
     out.write_text(json.dumps(r, indent=1) + "\n")
     print(f"wrote {out}")
     return r
@@ -189,6 +195,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
+    ap.add_argument("--where", action="store_true", help="also record where the run's anonymous memory peaks "
+                    "(eval/peak_where.py: the stack at the peak and each stage's peak, in the work folder's where.json)")
     ap.add_argument("--code", default=None, help="run `pruner prune` from this checkout instead (PYTHONPATH), e.g. "
                     "a worktree of an earlier commit, for the wall time against it (the prediction is this code's)")
     args = ap.parse_args()

@@ -201,8 +201,9 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
         return []
     cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
     d = len(blocks[0])
-    C = Q[cand][:, cand]  # (n d, n d): only its d x d diagonal blocks are read
-    g_c = G[cand][:, cand].double()
+    # each candidate's own d x d blocks of Q and G (the (n d)^2 products of every pair are never read)
+    C = [Q[h][:, h] for h in blocks]  # n x (d, d)
+    g_c = [G[h][:, h].double() for h in blocks]
     if len(P):  # every candidate's border in one product each
         B = Q[P][:, cand]  # (|P|, n d)
         V = a_inv @ B  # (|P|, n d)
@@ -211,7 +212,7 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
     out = []
     for i in range(len(blocks)):
         j = slice(i * d, (i + 1) * d)
-        g_hh, Z = g_c[j, j], C[j, j]
+        g_hh, Z = g_c[i], C[i]
         if len(P):
             Vh = V[:, j]
             core = Vh.t() @ GV[:, j] - 2 * Vh.t() @ G_pc[:, j] + g_hh
