@@ -304,11 +304,11 @@ def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -
     s_t = joint.sum(0).sub_(joint[f]).div_(n_t)  # in place: a few (D, D) float64 matrices at most per fold
     mu = (o.sum(0) - o[f]) / n_t if intercept else torch.zeros_like(o[f])
     if intercept:
-        s_t.sub_(torch.outer(mu, mu))
+        s_t.addr_(mu, mu, alpha=-1)  # rank-one updates in place: no (D, D) outer product beside them
     s_t = s_t.add(s_t.t()).mul_(0.5)
     x_f = o[f] / n[f]
     c = joint[f] / n[f]  # E_f[(x - mu)(x - mu)^T]
-    c.sub_(torch.outer(x_f, mu)).sub_(torch.outer(mu, x_f)).add_(torch.outer(mu, mu))
+    c.addr_(x_f, mu, alpha=-1).addr_(mu, x_f, alpha=-1).addr_(mu, mu)
     return s_t, c.add(c.t()).mul_(0.5)
 
 
