@@ -322,9 +322,11 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
     tr(G C_PP) - 2 sum_i v_i / (e_i + lam) + d^T (Z * H^T) d, d_i = 1 / (e_i + lam), with G = W_P^T W_P,
     C the held-out moment, v = diag(U^T C_KP G R^T), Z = U^T C_KK U, H = R G R^T.
     """
-    w, joint, o, n = w.double(), joint.double(), o.double(), n.double()
+    joint, o, n = joint.double(), o.double(), n.double()
     P, K = pruned.nonzero().flatten(), (~pruned).nonzero().flatten()
-    G = w[:, P].t() @ w[:, P]  # (|P|, |P|)
+    w_p = w[:, P].double()  # (d_model, |P|): only the pruned columns are read
+    G = w_p.t() @ w_p  # (|P|, |P|)
+    del w_p
     out = torch.zeros(len(n), len(grid), dtype=torch.float64)
     for f in range(len(n)):
         if n[f] == 0:
