@@ -112,7 +112,7 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     Errors (RefitError, one line) for non-finite moments, a layer left without channels,
     or a singular / ill-conditioned system (ridge 0, or too small for this data).
     """
-    w = w.double()
+    f64 = torch.float64  # w may be in the model's dtype: only its pruned columns are read, in float64
     if not (torch.isfinite(s).all() and (mu is None or torch.isfinite(mu).all())):
         raise RefitError(f"refit compensation of layer {layer}: the calibration moments are NaN/inf (the model "
                          "produced non-finite activations; load it in float32)")
@@ -120,16 +120,18 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     if len(K) == 0:
         raise RefitError(f"refit compensation of layer {layer}: every head is pruned, nothing is left to refit onto")
     lam = ridge_lambda(s, ridge)
-    delta_w = torch.zeros_like(w)
-    w_p = w[:, P]  # (d_model, |P|)
+    delta_w = torch.zeros(w.shape, dtype=f64)
+    w_p = w[:, P].to(f64)  # (d_model, |P|)
     if len(P) == 0:
-        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=w.dtype), 0.0, 0.0, lam)
+        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=f64), 0.0, 0.0, lam)
     s_pp, s_kp = s[P][:, P], s[K][:, P]
     pruned_energy = float(((w_p @ s_pp) * w_p).sum())
     if silent(mu, s) or math.isinf(ridge):  # nothing to regress, or no regression (mean compensation)
-        a = torch.zeros(len(K), len(P), dtype=w.dtype)
+        a = torch.zeros(len(K), len(P), dtype=f64)
     else:
-        a = _solve(s[K][:, K] + lam * torch.eye(len(K), dtype=w.dtype), s_kp, layer, ridge)
+        t_kk = s[K][:, K]
+        t_kk.diagonal().add_(lam)  # S_KK + lam I without an identity matrix beside it
+        a = _solve(t_kk, s_kp, layer, ridge)
     delta_w[:, K] = w_p @ a.t()
     unexplained = float(((w_p @ (s_pp - s_kp.t() @ a)) * w_p).sum())
     delta_b = None if mu is None else w_p @ (mu[P] - a.t() @ mu[K])
@@ -348,6 +350,7 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
                 out[f, i] = math.inf
                 continue
             out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
+        del s_t, c, U, R, ZH  # not alive beside the next fold's
     return out
 
 
