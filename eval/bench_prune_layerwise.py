@@ -19,8 +19,9 @@ selection curves (refit-energy, mean compensation, ridge 0.1), for the wall time
 Memory is the child's anonymous resident memory (RssAnon, sampled every 10 ms from /proc: the memory-mapped
 weights are page cache, which the kernel can drop) and its peak resident set (VmHWM, page cache included),
 against the model's size on disk and against `pruner plan-memory`'s prediction of the whole run
-(`pruner.runs.memory_run.run_plan`), above the interpreter's own RssAnon with torch, transformers and pruner
-imported (measured in a separate process). Writes eval/results/bench_prune_layerwise-<case>.json.
+(`pruner.runs.memory_run.run_plan`), above the RssAnon of the prepared session (a separate process that
+imports what `prune` imports, reads the tokenizer, the text and the model's skeleton, and computes nothing:
+`session_anon`). Writes eval/results/bench_prune_layerwise-<case>.json.
 """
 
 from __future__ import annotations
@@ -97,6 +98,19 @@ def interpreter_anon() -> int:
     return int(line.split()[1]) * 1024
 
 
+def session_anon(recipe: Path) -> int:
+    """RssAnon of a fresh process once `pruner prune`'s session is prepared and before any compute: the imports,
+    the tokenizer, the calibration and evaluation text and windows, the model's skeleton with the weights outside
+    the blocks mapped (`pruner.runs.context.prepare`). The memory model predicts what the run adds to it."""
+    code = ("import sys; from pathlib import Path; from pruner.runs import context; "
+            "from pruner.runs.recipe_io import load_recipe; "
+            "s = context.prepare(load_recipe(sys.argv[1]), progress=False, whole_model=False); "
+            "print([l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0])")
+    line = subprocess.run([sys.executable, "-c", code, str(recipe)], capture_output=True, text=True,
+                          check=True).stdout
+    return int(line.strip().splitlines()[-1].split()[1]) * 1024
+
+
 def predicted(recipe: Path) -> dict:
     """`pruner plan-memory`'s prediction of the whole run (sequential, on this CPU): the anonymous peak (the
     memory-mapped weights and refit columns left out, as RssAnon leaves them out) and each stage's."""
@@ -127,8 +141,9 @@ def case(args, layers: int | None) -> dict:
                                     eval_windows=args.eval_windows, threads=args.threads) + RECIPES[args.recipe].format())
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(Path(args.code).resolve())} if args.code else None  # another checkout
-    done, peaks = run_sampled([sys.executable, "-m", "pruner.cli", "prune", str(recipe), "--out", str(work / "run")],
-                              env)
+    where = [str(ROOT / "eval" / "peak_where.py"), str(work / "where.json")] if args.where else []
+    done, peaks = run_sampled([sys.executable, *where, "-m", "pruner.cli", "prune", str(recipe), "--out",
+                               str(work / "run")], env)
     wall = time.perf_counter() - t0
     if done.returncode:
         sys.exit(done.stderr[-3000:])
@@ -136,13 +151,14 @@ def case(args, layers: int | None) -> dict:
     base, pruned = size(folder), size(work / "run" / "model")
     m = json.loads((work / "run" / "metrics.json").read_text())
     pred = predicted(recipe)
-    interp = interpreter_anon()
+    interp, session = interpreter_anon(), session_anon(recipe)
     r = {"model": args.model, "layers": m["total_heads"] // json.loads((folder / "config.json").read_text())[
         "num_attention_heads"], "recipe": args.recipe, "windows": args.windows, "eval_windows": args.eval_windows, "length": args.length,
          "threads": args.threads, "base_bytes": base, "pruned_bytes": pruned, "shards": len(list(folder.glob("*.safetensors"))),
          "peak_anon": peaks["RssAnon"], "peak_rss": peaks["VmRSS"], "interpreter_anon": interp,
+         "session_anon": session,
          "anon_over_model": peaks["RssAnon"] / base, "predicted": pred,
-         "measured_over_predicted": (peaks["RssAnon"] - interp) / pred["peak"],
+         "measured_over_predicted": (peaks["RssAnon"] - session) / pred["peak"],
          "wall_s": wall, "pruned_heads": m["pruned_heads"], "total_heads": m["total_heads"],
          "layout": m.get("model_layout"), "evaluation": m["evaluation"], "seconds_in_run": m["seconds"]}
     gib = lambda n: n / 2**30  # noqa: E731
@@ -152,9 +168,15 @@ def case(args, layers: int | None) -> dict:
           f"{gib(pruned):.2f} GiB ({m.get('model_layout')})")
     print(f"  peak anonymous memory {gib(peaks['RssAnon']):.2f} GiB ({peaks['RssAnon'] / base:.1%} of the model), "
           f"peak RSS {gib(peaks['VmRSS']):.2f} GiB (page cache included); {wall:.0f} s")
-    print(f"  above the interpreter ({gib(interp):.2f} GiB): {gib(peaks['RssAnon'] - interp):.2f} GiB; predicted "
+    print(f"  above the prepared session ({gib(session):.2f} GiB; the interpreter with pruner imported "
+          f"{gib(interp):.2f}): {gib(peaks['RssAnon'] - session):.2f} GiB; predicted "
           f"{gib(pred['peak']):.2f} GiB (in {pred['stage']}): measured/predicted {r['measured_over_predicted']:.2f}")
     out = ROOT / "eval" / "results" / f"bench_prune_layerwise-{tag}.json"
+    if args.where:
+        r["where"] = json.loads((work / "where.json").read_text())
+        print("  peak at: " + " <- ".join(reversed(r["where"]["stack"][-6:])))
+        for stage, peak in sorted(r["where"]["stages"].items(), key=lambda kv: -kv[1]):
+            print(f"    {stage}: {gib(peak - session):.2f} GiB above the session")
     out.write_text(json.dumps(r, indent=1) + "\n")
     print(f"wrote {out}")
     return r
@@ -173,6 +195,8 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/pruner-bench-layerwise")
+    ap.add_argument("--where", action="store_true", help="also record where the run's anonymous memory peaks "
+                    "(eval/peak_where.py: the stack at the peak and each stage's peak, in the work folder's where.json)")
     ap.add_argument("--code", default=None, help="run `pruner prune` from this checkout instead (PYTHONPATH), e.g. "
                     "a worktree of an earlier commit, for the wall time against it (the prediction is this code's)")
     args = ap.parse_args()

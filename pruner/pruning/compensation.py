@@ -77,7 +77,7 @@ def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, rid
     g = arch.geometry(model)
     if len(kept_heads(model)[layer]) != g.n_heads:
         raise SurgeryError(f"layer {layer}: refit compensation is computed on the unpruned model")
-    w = arch.o_weight_cols(model, layer).detach().double().cpu()  # (d_model, D)
+    w = arch.o_weight_cols(model, layer).detach().cpu()  # (d_model, D), the model's dtype: fit_layer reads its pruned
     refit.check_tokens(int(moments.tokens), w.shape[1], layer)
     intercept = has_bias(model, layer) if intercept is None else intercept
     mu, s = refit.second_moment(moments.o, moments.joint, moments.tokens, intercept)
@@ -88,7 +88,7 @@ def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, rid
 
 def choose_layer_ridge(model, layer: int, heads: list[int], folds: FoldMoments) -> refit.RidgeChoice:
     """`refit.choose_ridge` for pruning `heads` of `layer` (intercept where the projection has a bias)."""
-    w = arch.o_weight_cols(model, layer).detach().double().cpu()
+    w = arch.o_weight_cols(model, layer).detach().cpu()  # the model's dtype: only the pruned columns are read
     pruned = torch.zeros(w.shape[1], dtype=torch.bool)
     pruned[_slots(heads, arch.geometry(model).head_dim)] = True
     f = folds.to("cpu")

@@ -112,7 +112,7 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     Errors (RefitError, one line) for non-finite moments, a layer left without channels,
     or a singular / ill-conditioned system (ridge 0, or too small for this data).
     """
-    w = w.double()
+    f64 = torch.float64  # w may be in the model's dtype: only its pruned columns are read, in float64
     if not (torch.isfinite(s).all() and (mu is None or torch.isfinite(mu).all())):
         raise RefitError(f"refit compensation of layer {layer}: the calibration moments are NaN/inf (the model "
                          "produced non-finite activations; load it in float32)")
@@ -120,16 +120,18 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     if len(K) == 0:
         raise RefitError(f"refit compensation of layer {layer}: every head is pruned, nothing is left to refit onto")
     lam = ridge_lambda(s, ridge)
-    delta_w = torch.zeros_like(w)
-    w_p = w[:, P]  # (d_model, |P|)
+    delta_w = torch.zeros(w.shape, dtype=f64)
+    w_p = w[:, P].to(f64)  # (d_model, |P|)
     if len(P) == 0:
-        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=w.dtype), 0.0, 0.0, lam)
+        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=f64), 0.0, 0.0, lam)
     s_pp, s_kp = s[P][:, P], s[K][:, P]
     pruned_energy = float(((w_p @ s_pp) * w_p).sum())
     if silent(mu, s) or math.isinf(ridge):  # nothing to regress, or no regression (mean compensation)
-        a = torch.zeros(len(K), len(P), dtype=w.dtype)
+        a = torch.zeros(len(K), len(P), dtype=f64)
     else:
-        a = _solve(s[K][:, K] + lam * torch.eye(len(K), dtype=w.dtype), s_kp, layer, ridge)
+        t_kk = s[K][:, K]
+        t_kk.diagonal().add_(lam)  # S_KK + lam I without an identity matrix beside it
+        a = _solve(t_kk, s_kp, layer, ridge)
     delta_w[:, K] = w_p @ a.t()
     unexplained = float(((w_p @ (s_pp - s_kp.t() @ a)) * w_p).sum())
     delta_b = None if mu is None else w_p @ (mu[P] - a.t() @ mu[K])
@@ -201,8 +203,9 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
         return []
     cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
     d = len(blocks[0])
-    C = Q[cand][:, cand]  # (n d, n d): only its d x d diagonal blocks are read
-    g_c = G[cand][:, cand].double()
+    # each candidate's own d x d blocks of Q and G (the (n d)^2 products of every pair are never read)
+    C = [Q[h][:, h] for h in blocks]  # n x (d, d)
+    g_c = [G[h][:, h].double() for h in blocks]
     if len(P):  # every candidate's border in one product each
         B = Q[P][:, cand]  # (|P|, n d)
         V = a_inv @ B  # (|P|, n d)
@@ -211,7 +214,7 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
     out = []
     for i in range(len(blocks)):
         j = slice(i * d, (i + 1) * d)
-        g_hh, Z = g_c[j, j], C[j, j]
+        g_hh, Z = g_c[i], C[i]
         if len(P):
             Vh = V[:, j]
             core = Vh.t() @ GV[:, j] - 2 * Vh.t() @ G_pc[:, j] + g_hh
@@ -303,11 +306,11 @@ def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -
     s_t = joint.sum(0).sub_(joint[f]).div_(n_t)  # in place: a few (D, D) float64 matrices at most per fold
     mu = (o.sum(0) - o[f]) / n_t if intercept else torch.zeros_like(o[f])
     if intercept:
-        s_t.sub_(torch.outer(mu, mu))
+        s_t.addr_(mu, mu, alpha=-1)  # rank-one updates in place: no (D, D) outer product beside them
     s_t = s_t.add(s_t.t()).mul_(0.5)
     x_f = o[f] / n[f]
     c = joint[f] / n[f]  # E_f[(x - mu)(x - mu)^T]
-    c.sub_(torch.outer(x_f, mu)).sub_(torch.outer(mu, x_f)).add_(torch.outer(mu, mu))
+    c.addr_(x_f, mu, alpha=-1).addr_(mu, x_f, alpha=-1).addr_(mu, mu)
     return s_t, c.add(c.t()).mul_(0.5)
 
 
@@ -321,9 +324,11 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
     tr(G C_PP) - 2 sum_i v_i / (e_i + lam) + d^T (Z * H^T) d, d_i = 1 / (e_i + lam), with G = W_P^T W_P,
     C the held-out moment, v = diag(U^T C_KP G R^T), Z = U^T C_KK U, H = R G R^T.
     """
-    w, joint, o, n = w.double(), joint.double(), o.double(), n.double()
+    joint, o, n = joint.double(), o.double(), n.double()
     P, K = pruned.nonzero().flatten(), (~pruned).nonzero().flatten()
-    G = w[:, P].t() @ w[:, P]  # (|P|, |P|)
+    w_p = w[:, P].double()  # (d_model, |P|): only the pruned columns are read
+    G = w_p.t() @ w_p  # (|P|, |P|)
+    del w_p
     out = torch.zeros(len(n), len(grid), dtype=torch.float64)
     for f in range(len(n)):
         if n[f] == 0:
@@ -345,6 +350,7 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
                 out[f, i] = math.inf
                 continue
             out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
+        del s_t, c, U, R, ZH  # not alive beside the next fold's
     return out
 
 

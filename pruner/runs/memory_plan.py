@@ -51,10 +51,11 @@ from pruner.runs.resources import (
 MAPPED = "(memory-mapped"  # parts whose name holds this are file-backed on a CPU (page cache, not anonymous)
 # (H d_head)^2 float64 matrices a finished layer's step holds at once beside its sums (read off the code):
 CROSS_SQUARES = 2      # the cross energy: the covariance and one outer product (`scoring.cross_energy`)
-SYSTEM_SQUARES = 3.5   # the refit-aware scorer: S, its Cholesky factor and inverse while built; then the inverse
-#                        and the first step's candidate blocks of it and of W_O^T W_O (`refit.system`, `marginal_costs`)
-REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system, its held-out moment and their
-#                        symmetric copies (`refit._fold_system`), then the fit (`refit.fit_layer`)
+SYSTEM_SQUARES = 3     # the refit-aware scorer: S, S + lam I and its Cholesky factor while built, then the
+#                        inverse and one candidate border at a time (`refit.system`, `marginal_costs`)
+REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system and held-out moment with their
+#                        symmetric copies (`refit._fold_system`); then the fit: the covariance, the new columns
+#                        (float64, full width) and the kept/pruned blocks (`refit.fit_layer`)
 LOGIT_COPIES = 3       # a slice of logits: the head's output, its float32 copy and the log-softmax
 
 
@@ -160,11 +161,11 @@ def _running_bytes(model, sizes: Sizes) -> tuple[int, int]:
 
 def finish_work(model, sizes: Sizes, systems: bool) -> int:
     """The work beside a finished layer's sums while its curves (and a per-layer budget's refit) are built: its
-    W_O^T W_O (float32) and the largest of the cross energy, the refit-aware scorer's system and the refit, one
-    after the other."""
+    W_O^T W_O (float32) and the larger of the cross energy and the refit-aware scorer's system; then, once the
+    curves are built and their inputs released, a per-layer budget's refit."""
     square = _square(model)
-    steps = [CROSS_SQUARES if sizes.joint else 0, SYSTEM_SQUARES if systems else 0, REFIT_SQUARES if sizes.local else 0]
-    return square // 2 + int(max(steps) * square)
+    curves = square // 2 + int(max(CROSS_SQUARES if sizes.joint else 0, SYSTEM_SQUARES if systems else 0) * square)
+    return max(curves, int(REFIT_SQUARES * square) if sizes.local else 0)  # W_O^T W_O is gone before the refit
 
 
 def outside_cpu_bytes(model, samples: int, length: int, head: bool) -> int:
