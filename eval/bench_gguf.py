@@ -2,6 +2,7 @@
 
     python eval/bench_gguf.py                          # the tables of docs/what-pruning-buys.md
     python eval/bench_gguf.py --repeats 2 --skip-checks
+    python eval/bench_gguf.py --sizes-only --out eval/results/bench_gguf_sizes.json   # no llama-cpp-python needed
 
 Model: random weights of the public Llama-3.2-1B config (eval/bench_pruned.py's `build`, float32 in memory).
 Plans from `random` scores through the usual selection (which heads go does not change what removing them
@@ -76,6 +77,41 @@ def checks(base, pruned: dict, tok, work: Path) -> list[dict]:
     return out
 
 
+def sizes(dtype: str, work: Path) -> dict:
+    """GGUF file sizes of the base and of 50% of heads as whole KV groups against the ideal (parameters), and the
+    KV cache bytes per token the files' metadata gives llama.cpp: shapes only, so the weights are left
+    uninitialised (the file size does not depend on them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from bench_pruned import CONFIGS
+
+    from pruner.evaluation.ideal import saving
+    from pruner.pruning import surgery
+
+    fields = dict(CONFIGS["llama-3.2-1b"])
+    with no_init_weights():
+        base = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields),
+                                                dtype=torch.float32).eval()
+    tok = loading.load_tokenizer("llama-shakespeare")
+    out = {}
+    for label, heads in (("base", {}), ("50% group", {i: list(range(16)) for i in range(16)})):
+        surgery.remove_heads(base, heads)
+        path = work / "sizes.gguf"
+        plan = gguf_file.plan(base, tok)
+        gguf_file.write(base, tok, path, dtype, plan)
+        kv = sum(2 * k * plan.head_dim * 2 for k in plan.kv_heads)  # what llama.cpp's f16 cache holds per token
+        out[label] = {"bytes": path.stat().st_size, "params": sum(p.numel() for p in base.parameters()),
+                      "kv_bytes_per_token": kv, "arch": plan.arch}
+        path.unlink()
+    b, p = out["base"], out["50% group"]
+    out["file saving"] = saving(b["bytes"], p["bytes"])
+    out["ideal (parameters)"] = saving(b["params"], p["params"])
+    out["kv saving"] = saving(b["kv_bytes_per_token"], p["kv_bytes_per_token"])
+    print(out, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
@@ -84,8 +120,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sizes-only", action="store_true", help="file sizes and KV bytes only (no llama-cpp-python)")
     ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "bench_gguf.json"))
     args = ap.parse_args()
+    if args.sizes_only:
+        with tempfile.TemporaryDirectory(prefix="bench-gguf-", dir=os.environ.get("BENCH_TMP")) as work:
+            Path(args.out).write_text(json.dumps({"sizes": sizes(args.dtype, Path(work)),
+                                                  "environment": environment.versions()}, indent=1) + "\n")
+        return
     t0 = time.time()
     base = build("llama-3.2-1b", torch.float32)
     tok = loading.load_tokenizer("llama-shakespeare")  # ids are fed directly; the rest of the vocabulary is padding

@@ -158,11 +158,13 @@ class SelectionSpec(_Strict):
     min_heads_per_layer: int = Field(1, ge=1)
     gqa: Literal["equal", "group"] = "equal"
     shape: Literal["servable", "any"] = Field(
-        "servable", description="servable: where the family's vanilla config can describe a pruned model (Llama, "
-                                "Mistral, Qwen2, Qwen3), every layer loses the same number of heads, a count the "
-                                "config accepts (the target moves to the nearest, said in one line), so the compact "
-                                "checkpoint loads in transformers and serving engines without remote code; any: "
-                                "the target exactly, layers may differ (the per-layer form)")
+        "servable", description="servable: where a vanilla config can describe a pruned model (Llama, Mistral, "
+                                "Qwen2, Qwen3), every layer loses the same number of heads, a multiple of the KV "
+                                "heads (a Llama count its config refuses is written as MistralForCausalLM; the target "
+                                "moves to the nearest, said in one line), so the compact checkpoint loads in "
+                                "transformers, serving engines and llama.cpp without remote code; any: the target "
+                                "exactly, layers may differ (the per-layer form; llama.cpp runs a Llama or Mistral "
+                                "one through export --format gguf)")
     seed: int = 0
 
     @field_validator("target", mode="before")
