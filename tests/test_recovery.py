@@ -4,7 +4,6 @@ run with its refusals (docs/recovery.md)."""
 from __future__ import annotations
 
 import copy
-import json
 import random
 
 import pytest
