@@ -158,7 +158,11 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
     check(spec, run.recipe.evaluation, Path(out).parent)
     if not (run.folder / "model" / "config.json").exists():
         pruned_model(run)  # the one-line refusal
-    provenance.check_base(run.folder, run.recipe.model)  # the teacher must be the run's base
+    try:  # the teacher must be the run's base
+        provenance.check_base(run.folder, run.recipe.model)
+    except provenance.ProvenanceError as e:
+        raise rdata.RecoveryError(str(e).split("; pass --allow-changed-base")[0] + "; recovery distils from the "
+                                  "model the run was pruned from, so the teacher would not match") from None
     recipe = run.recipe.model_copy(update={"recovery": spec})
     with runs.run_folder(Path(out), overwrite, resume_run) as tmp:
         student, tokenizer = pruned_model(run)
