@@ -117,7 +117,8 @@ def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpe
     """One optimizer step on the batch `rows`; returns its mean KL (over every process)."""
     kl, count = batch_kl(model, targets, windows.train, rows, spec)
     total = _all_sum(count.detach().clone().double()).clamp_min(1)
-    (kl / total.float()).backward()
+    if kl.requires_grad:  # a process without windows in this batch has nothing to backpropagate
+        (kl / total.float()).backward()
     params = list(methods.trainable(model).values())
     if distributed.world_size() > 1:
         for p in params:
