@@ -157,8 +157,9 @@ def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict,
         guard.update(best=v, best_step=k, best_weights=_weights(model))
 
 
-def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options = Options()) -> Trained:
+def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options | None = None) -> Trained:
     """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
+    options = options or Options()
     model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha)
     steps = len(windows.train) // spec.batch_size
     every, save_every = cadence(spec, steps)
