@@ -4,7 +4,6 @@ run with its refusals (docs/recovery.md)."""
 from __future__ import annotations
 
 import copy
-import json
 import random
 
 import pytest
@@ -163,7 +162,7 @@ def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkey
 def test_cached_teacher_recovers_close_to_the_resident_one(word_tokenizer):
     teacher, student, _ = pair()
     res = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False, **QUICK)
-    cac = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False, teacher_mode="cached",
-                         top_k=64, **QUICK)  # k = the whole vocabulary here: the same loss
+    cac = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
+                         teacher_mode="cached", top_k=64, **QUICK)  # k = the whole vocabulary here: the same loss
     assert cac.record["teacher"] == "cached"
     assert abs(cac.record["validation_kl_best"] - res.record["validation_kl_best"]) < 1e-3

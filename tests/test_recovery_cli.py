@@ -35,6 +35,7 @@ def test_prune_with_a_recovery_section_recovers_and_exports_the_recovered_weight
     assert m["recovery"]["tokens"] == 1024 and m["recovery"]["kept"] == "recovered"
     assert "## Recovery" in (llama_run / "report.md").read_text()
     assert main(["export", str(llama_run), "--out", str(tmp_path / "exp"), "--format", "compact"]) == 0
+    assert "## Recovery" in (tmp_path / "exp" / "README.md").read_text()  # the model card: before and after
     ids = saving.check_ids(pruner.load(llama_run / "model"))
     a = saving.logits(pruner.load(llama_run / "model"), ids)
     b = saving.logits(pruner.load(tmp_path / "exp"), ids)

@@ -97,7 +97,8 @@ def _optimizer(model, spec: RecoverySpec, steps: int):
     from transformers import get_scheduler
 
     params = list(methods.trainable(model).values())
-    opt = torch.optim.AdamW(params, lr=spec.peak_lr, weight_decay=spec.weight_decay, foreach=False)
+    lr = spec.peak_lr(sum(p.numel() for p in model.parameters()))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay, foreach=False)
     sched = get_scheduler(spec.schedule, opt, num_warmup_steps=int(spec.warmup * steps), num_training_steps=steps)
     return opt, sched
 
@@ -117,7 +118,8 @@ def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpe
     """One optimizer step on the batch `rows`; returns its mean KL (over every process)."""
     kl, count = batch_kl(model, targets, windows.train, rows, spec)
     total = _all_sum(count.detach().clone().double()).clamp_min(1)
-    (kl / total.float()).backward()
+    if kl.requires_grad:  # a process without windows in this batch has nothing to backpropagate
+        (kl / total.float()).backward()
     params = list(methods.trainable(model).values())
     if distributed.world_size() > 1:
         for p in params:
@@ -155,8 +157,9 @@ def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict,
         guard.update(best=v, best_step=k, best_weights=_weights(model))
 
 
-def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options = Options()) -> Trained:
+def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options | None = None) -> Trained:
     """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
+    options = options or Options()
     model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha)
     steps = len(windows.train) // spec.batch_size
     every, save_every = cadence(spec, steps)

@@ -200,6 +200,7 @@ def model_card(run: Run, fmt: str, model, params: int, repo_id: str | None = Non
         "pruning: heads are scored with the attention sink and the content channel separated).", "",
         *_what_was_pruned(run, fmt, model, params, saved, gplan),
         *_results(run, params, saved),
+        *([report.recovery_text(m), ""] if m.get("recovery") else []),  # distilled after pruning: before/after
         "## How to load", "",
         *_load_lines(cls, repo_id or "path/to/this/folder", saved, model), "",
         "## Recipe", "",

@@ -28,8 +28,8 @@ from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
-from pruner.runs import provenance
 from pruner.runs import folders as runs
+from pruner.runs import provenance
 
 CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
 TEACHER_CACHE = "teacher-cache"  # in the partial output folder while it trains: the top-k cache
@@ -67,11 +67,12 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
 
 
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
-                   folders: tuple[Path | None, Path | None] = (None, None), options: Options = Options(),
+                   folders: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
                    identity: dict | None = None, texts: list[str] | None = None) -> Recovered:
     """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
     `evaluation` when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary.
     `texts`: the recovery text given in memory (instead of `spec.data`)."""
+    options = options or Options()
     if not runtime.attends_causally(student):
         raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
                                   "attends both ways")
@@ -91,7 +92,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
         done = train(student, targets, windows, spec, options)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    record = {"method": spec.method, "teacher": spec.teacher, "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
+    record = {"method": spec.method, "teacher": spec.teacher,
+              "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
               "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
     if evaluation is not None:
         record["perplexity"] = perplexity_record(base, before, _nll(done.model, evaluation))
@@ -158,7 +160,11 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
     check(spec, run.recipe.evaluation, Path(out).parent)
     if not (run.folder / "model" / "config.json").exists():
         pruned_model(run)  # the one-line refusal
-    provenance.check_base(run.folder, run.recipe.model)  # the teacher must be the run's base
+    try:  # the teacher must be the run's base
+        provenance.check_base(run.folder, run.recipe.model)
+    except provenance.ProvenanceError as e:
+        raise rdata.RecoveryError(str(e).split("; pass --allow-changed-base")[0] + "; recovery distils from the "
+                                  "model the run was pruned from, so the teacher would not match") from None
     recipe = run.recipe.model_copy(update={"recovery": spec})
     with runs.run_folder(Path(out), overwrite, resume_run) as tmp:
         student, tokenizer = pruned_model(run)
