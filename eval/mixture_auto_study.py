@@ -198,10 +198,12 @@ def main() -> None:
             if f.exists():
                 print(f"\n## {split}\n" + tables(json.loads(f.read_text())))
         return
-    records = []
-    for model in a.models.split(","):
+    path = OUT / f"mixture_auto_{a.split}.json"
+    models = a.models.split(",")
+    records = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["model"] not in models]
+    for model in models:  # each model's records replace its earlier ones; the other models' are kept
         records += study(model, a.split, a.windows)
-        (OUT / f"mixture_auto_{a.split}.json").write_text(json.dumps(records, indent=1))
+        path.write_text(json.dumps(records, indent=1))
     print(tables(records))
 
 

@@ -149,3 +149,17 @@ def test_bad_mixture_and_auto_flags_are_one_line_cli_errors(tmp_path, capsys, cl
     code = main(["prune", str(recipe), "--out", str(tmp_path / "r"), *cli])
     err = capsys.readouterr().err.strip()
     assert code != 0 and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.unit
+def test_provenance_names_each_source_of_a_mixture_and_the_package_versions():
+    from pruner.runs import provenance
+    from pruner.runs.recipe_io import build_recipe
+
+    r = build_recipe({"model": {"path": "gpt2-shakespeare"},
+                      "calibration": {"data": ["shakespeare:calibration", "package-docs:dev"], "weights": [3, 1]}})
+    cal = provenance.identity(r, evaluation=False)["data"]["calibration"]
+    assert cal["kind"] == "mixture" and cal["weights"] == [3.0, 1.0]
+    plays, docs = cal["sources"]
+    assert plays["kind"] == "files" and docs["kind"] == "package-docs" and docs["source"] == "package-docs:dev"
+    assert docs["packages"]["torch"] == torch.__version__ and len(docs["sha256"]) == 64
