@@ -371,6 +371,13 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     rows = _rows(capsys.readouterr().out)
     assert 1 * square <= gib(rows[(finished, "host", "a finished layer's whole sums")]) < 1.05 * square
     assert not any("refit's new" in part for _, _, part in rows)
+    # auto: the pass reads what any candidate reads (the refit-aware systems, the gradient pass), and a refit
+    # among the compensations tried is planned as the pass of its own that it would take
+    assert main(["plan-memory", str(tmp_path / "r.yaml"), "--set", "scorer.name=auto",
+                 "--set", "surgery.compensation=auto"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert ("gradient pass", "host", "every block's inputs (gradient pass)") in rows
+    assert any(stage.startswith("compensation pass") for stage, _, _ in rows)
 
 
 @pytest.mark.parametrize("onload", ["all", "sequential"])

@@ -101,18 +101,25 @@ def run_plan(recipe, model, quota: list[int] | None) -> MemoryPlan:
     plan = memory_plan(model, sizes, samples, "sequential", r.model.device, scorer.needs_systems, spill,
                        r.capture.read_ahead)
     ev = r.evaluation
-    refit_pass = s.compensation == "refit" and (s.refit_mode == "sequential" or not sizes.local)
+    refit = "refit" in s.choices()  # surgery.compensation auto: refit among its candidates is planned
+    refit_pass = refit and (s.refit_mode == "sequential" or not sizes.local)
     after = After(ev.num_samples or 64, ev.length, min(ev.batch_size, ev.num_samples or 64),
-                  s.compensation == "refit", refit_pass, s.folds if s.ridge == "auto" else 0, r.capture.read_ahead,
+                  refit, refit_pass, s.folds if s.ridge == "auto" else 0, r.capture.read_ahead,
                   spill)
     return MemoryPlan("sequential", plan.stages + tuple(later_stages(model, sizes, samples, r.model.device, after)),
                       plan.cpu, spill)
 
 
 def scorer_of(recipe):
+    """The recipe's scorer; under `scorer.name: auto` one that needs whatever any of its candidates needs (one
+    calibration pass builds every candidate's curves)."""
+    from dataclasses import replace as with_flags
+
     from pruner.pruning.scoring import get_scorer
 
-    return get_scorer(recipe.scorer.name)
+    scorers = [get_scorer(name) for name in recipe.scorer.choices()]
+    flags = ("needs_systems", "needs_gradient", "needs_ablation", "reads_joint")
+    return with_flags(scorers[0], **{f: any(getattr(x, f) for x in scorers) for f in flags})
 
 
 def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
@@ -125,7 +132,7 @@ def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
     r = recipe
     scorer, s = scorer_of(r), r.surgery
     local = bool(reads.local_compensation(quota, CurveKey(scorer.name, None, r.selection.gqa, 1), s, True))
-    joint, folds = reads.capture_reads([scorer], [s.compensation], s, True, local)
+    joint, folds = reads.capture_reads([scorer], s.choices(), s, True, local)
     cal = r.calibration
     samples = cal.num_samples or 64
     return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,
