@@ -43,7 +43,7 @@ def with_(**sections):
     (with_(sinks={"mode": "positions"}), r"sinks: .*needs at least one position"),
     (with_(sinks={"mode": "positions", "positions": [-1]}), r"sinks: .*>= 0"),
     (with_(sinks={"mode": "cls"}), r"sinks.mode"),
-    (with_(export={"format": "gguf"}), r"export.format: Input should be 'none', 'dense', 'compact' or 'onnx'"),
+    (with_(export={"format": "tflite"}), r"export.format: Input should be 'none', 'dense', 'compact', 'onnx' or 'gguf'"),
     (with_(export={"push_to_hub": "me/x"}), r"export: push_to_hub needs an export"),
     (with_(export={"format": "dense", "push_to_hub": "not a repo"}), r"export.push_to_hub: invalid Hub repo id"),
     (with_(export={"format": "dense", "private": True}), r"export: private applies only with export.push_to_hub"),
