@@ -147,8 +147,8 @@ def _score(model, windows: EvalWindows, idx: torch.Tensor, causal: bool, pool: b
     """One batch's per-window NLL sums, target counts and pooled embeddings, appended to the lists."""
     ids, mask = windows.input_ids[idx], windows.attention_mask[idx]
     lab = windows.labels[idx]
-    head = model.get_output_embeddings() if causal and not pool else None
-    if head is not None and not _post_processes_logits(model):  # next-token NLL a slice of positions at a time
+    head = _plain_head(model) if causal and not pool else None
+    if head is not None:  # next-token NLL a slice of positions at a time
         hidden = forward(model.base_model, ids, mask).last_hidden_state  # (B, T, d): after the final norm
         tok = next_token_nll(head, hidden, lab.to(hidden.device))
         target = lab[:, 1:].to(tok.device)
@@ -190,6 +190,17 @@ def next_token_nll(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
         out.append(torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, a + 1:b + 1].clamp_min(0),
                                                      reduction="none"))
     return torch.cat(out, 1) if out else hidden.new_zeros(B, 0)
+
+
+def _plain_head(model) -> torch.nn.Module | None:
+    """The LM head where the model's logits are that head applied to `base_model`'s last hidden states and nothing
+    more -- `lm_head` (Llama, Mistral, Qwen, GPT-2) or `embed_out` (GPT-NeoX) -- else None: a head with a transform
+    of its own before the output embedding (BERT's prediction head: dense, activation, LayerNorm, as in the causal
+    MiniLM) or logits the forward post-processes are computed by the model's own forward."""
+    head = model.get_output_embeddings()
+    if head is None or _post_processes_logits(model):
+        return None
+    return head if any(getattr(model, name, None) is head for name in ("lm_head", "embed_out")) else None
 
 
 def _post_processes_logits(model) -> bool:
