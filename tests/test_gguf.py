@@ -74,7 +74,7 @@ def test_the_written_gguf_holds_the_plan(runs, name, dtype, arch, capsys):
     assert {k: v[0] for k, v in s["tensors"].items()} == shapes
     matrix = {"float16": "F16", "bfloat16": "BF16"}[dtype]
     assert all(t == (matrix if len(shapes[k]) == 2 else "F32") for k, (_, t) in s["tensors"].items())
-    assert (s["tokens"], s["pre"], s["bos"], s["eos"]) == (4096, "gpt2", 0, 1)
+    assert (s["tokens"], s["pre"], s["bos"], s["eos"]) == (4096, "gpt-2", 0, 1)
     card = (out / "README.md").read_text()
     assert f"architecture `{arch}`" in card and "library_name: gguf" in card
     assert (out / "plan.json").read_text() == (run / "plan.json").read_text()

@@ -58,7 +58,7 @@ def test_the_shipped_llama_generates_pytorchs_tokens_in_llama_cpp(tmp_path, caps
 
 
 def test_text_splits_into_transformers_tokens(tmp_path):
-    """The shipped Llama's GPT-2-style pre-tokenizer is written as llama.cpp's `gpt2`: text, not only ids,
+    """The shipped Llama's GPT-2-style pre-tokenizer is written as llama.cpp's `gpt-2`: text, not only ids,
     tokenizes as in transformers."""
     model, tok = loading.load_model("llama-shakespeare"), loading.load_tokenizer("llama-shakespeare")
     gguf_file.write(model, tok, tmp_path / "m.gguf", "float16", gguf_file.plan(model, tok))

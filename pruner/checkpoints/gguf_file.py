@@ -105,7 +105,7 @@ def plan(model, tokenizer) -> Plan:
 
 
 def pre_tokenizer(tokenizer) -> str:
-    """llama.cpp's name for how the tokenizer splits text before BPE: `gpt2` for GPT-2's byte-level regex,
+    """llama.cpp's name for how the tokenizer splits text before BPE: `gpt-2` for GPT-2's byte-level regex,
     else `default` (llama.cpp knows pre-tokenizers by the hash of known models' outputs, not by their rules)."""
     spec = _tokenizer_json(tokenizer)
     kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
@@ -113,11 +113,11 @@ def pre_tokenizer(tokenizer) -> str:
         raise GgufError("cannot write a GGUF: pruner carries byte-level BPE tokenizers into GGUF, and this one is "
                         f"{kind}{' with byte fallback' if fallback else ''}: export --format compact")
     pre = spec.get("pre_tokenizer") or {}
-    return "gpt2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
+    return "gpt-2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
 
 
 def tokenizer_note(pre: str) -> str | None:
-    return None if pre == "gpt2" else (
+    return None if pre == "gpt-2" else (
         "llama.cpp does not know this tokenizer's pre-tokenizer, so the file names `default`: token ids given "
         "directly are exact; text may split into other tokens than transformers' in places")
 

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -27,18 +26,12 @@ from pathlib import Path
 from pruner.core import environment
 from pruner.evaluation.bench import BenchResult, Figure, heads_record, timed
 from pruner.evaluation.ideal import decode_bytes, kv_bytes_per_token, prefill_flops, resident_bytes, saving, shape_of
+from pruner.evaluation.rounds import interleaved, peak_kib, spawn
 from pruner.evaluation.timing import BenchConfig, Timings
 
 _KV = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells.*K \(f16\): +([\d.]+) MiB, V \(f16\): "
                  r"+([\d.]+) MiB")
 KV_ITEMSIZE = 2  # llama.cpp's default cache type, f16
-
-
-def _peak_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
 
 
 def measure_file(path: Path, cases: dict) -> dict:
@@ -70,19 +63,16 @@ def measure_file(path: Path, cases: dict) -> dict:
         t0 = time.perf_counter()
         for tok in steps:
             llm.eval([tok])
-        out["decode"][str(p)] = (time.perf_counter() - t0) / len(steps)
-    out["peak_kib"] = _peak_kib()
+        out["decode"][f"1x{p}"] = (time.perf_counter() - t0) / len(steps)
+    out["peak_kib"] = peak_kib()
     llm.close()
     return out
 
 
-def _spawn(path: Path, cases: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "pruner.evaluation.llamacpp_timing", str(path), json.dumps(cases)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"timing {path} in llama.cpp failed: {done.stderr.strip().splitlines()[-1:]}")
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    kv = _KV.search(done.stderr)
+def _one(path: Path, cases: dict) -> dict:
+    """One process's measurements of `path`, with the KV cache bytes per token llama.cpp reported."""
+    got, stderr = spawn("pruner.evaluation.llamacpp_timing", path, cases, "llama.cpp")
+    kv = _KV.search(stderr)
     if kv is None:
         raise RuntimeError(f"llama.cpp did not report its KV cache for {path} (llama_kv_cache: size = ...)")
     got["kv_per_token"] = (float(kv.group(3)) + float(kv.group(4))) * 2**20 / int(kv.group(2))
@@ -90,25 +80,11 @@ def _spawn(path: Path, cases: dict) -> dict:
 
 
 def measure(files: dict[str, Path], cfg: BenchConfig, vocab: int, progress: bool = False) -> dict[str, Timings]:
-    """Interleaved rounds over fresh processes; round 0 (warm-up) is dropped. Decode at batch 1 only: the
-    prompts of `cfg.decode`'s batch-1 cases."""
+    """Interleaved rounds over fresh processes (`pruner.evaluation.rounds`); round 0 (warm-up) is dropped.
+    Decode at batch 1 only: the prompts of `cfg.decode`'s batch-1 cases."""
     prompts = [p for b, p in cfg.decode if b == 1]
     cases = {"lengths": list(cfg.lengths), "prompts": prompts, "new_tokens": cfg.new_tokens, "vocab": vocab}
-    runs = {name: Timings({T: [] for T in cfg.lengths}, {(1, p): [] for p in prompts}, []) for name in files}
-    for r in range(cfg.repeats + 1):
-        for name, path in files.items():
-            got = _spawn(path, cases)
-            if progress:
-                print(f"llama.cpp round {r}/{cfg.repeats}: {name}", file=sys.stderr, flush=True)
-            if r == 0:
-                continue
-            for T in cfg.lengths:
-                runs[name].prefill[T].append(got["prefill"][str(T)])
-            for p in prompts:
-                runs[name].decode[(1, p)].append(got["decode"][str(p)])
-            runs[name].memory.append(got["peak_kib"] * 1024)
-            runs[name] = replace(runs[name], kv_per_token=got["kv_per_token"])
-    return runs
+    return interleaved(files, cfg, [(1, p) for p in prompts], lambda path: _one(path, cases), "llama.cpp", progress)
 
 
 def compare(base, pruned, files: dict[str, Path], cfg: BenchConfig, runs: dict[str, Timings],

@@ -12,24 +12,17 @@ their ideals are those of `pruner.evaluation.bench`, from the PyTorch models' ge
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pruner.core import environment
 from pruner.evaluation.bench import BenchResult, Figure, heads_record, timed
 from pruner.evaluation.ideal import decode_bytes, prefill_flops, resident_bytes, saving, shape_of
+from pruner.evaluation.rounds import interleaved, peak_kib, spawn
 from pruner.evaluation.timing import BenchConfig, Timings
-
-
-def _peak_kib() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
 
 
 def measure_folder(folder: Path, cases: dict) -> dict:
@@ -63,37 +56,16 @@ def measure_folder(folder: Path, cases: dict) -> dict:
             gen.generate_next_token()
             steps += 1
         out["decode"][f"{b}x{p}"] = (time.perf_counter() - t0) / max(steps, 1)
-    out["peak_kib"] = _peak_kib()
+    out["peak_kib"] = peak_kib()
     return out
 
 
-def _spawn(folder: Path, cases: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}
-    done = subprocess.run([sys.executable, "-m", "pruner.evaluation.onnx_timing", str(folder), json.dumps(cases)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(f"timing {folder} in ONNX Runtime GenAI failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def measure(folders: dict[str, Path], cfg: BenchConfig, vocab: int, progress: bool = False) -> dict[str, Timings]:
-    """Interleaved rounds over fresh processes; round 0 (warm-up) is dropped."""
+    """Interleaved rounds over fresh processes (`pruner.evaluation.rounds`); round 0 (warm-up) is dropped."""
     cases = {"lengths": list(cfg.lengths), "decode": [list(c) for c in cfg.decode], "new_tokens": cfg.new_tokens,
              "vocab": vocab}
-    runs = {name: Timings({T: [] for T in cfg.lengths}, {tuple(c): [] for c in cfg.decode}, []) for name in folders}
-    for r in range(cfg.repeats + 1):
-        for name, folder in folders.items():
-            got = _spawn(folder, cases)
-            if progress:
-                print(f"onnxruntime-genai round {r}/{cfg.repeats}: {name}", file=sys.stderr, flush=True)
-            if r == 0:
-                continue
-            for T in cfg.lengths:
-                runs[name].prefill[T].append(got["prefill"][str(T)])
-            for b, p in cfg.decode:
-                runs[name].decode[(b, p)].append(got["decode"][f"{b}x{p}"])
-            runs[name].memory.append(got["peak_kib"] * 1024)
-    return runs
+    one = lambda folder: spawn("pruner.evaluation.onnx_timing", folder, cases, "ONNX Runtime GenAI")[0]  # noqa: E731
+    return interleaved(folders, cfg, [tuple(c) for c in cfg.decode], one, "onnxruntime-genai", progress)
 
 
 def _bytes(folder: Path) -> int:
@@ -123,8 +95,7 @@ def compare(base, pruned, folders: dict[str, Path], cfg: BenchConfig, runs: dict
     b, p = max(cfg.decode, key=lambda c: c[0] * c[1])
     tokens = b * (p + cfg.new_tokens)
     mb, mp = statistics.median(rb.memory), statistics.median(rp.memory)
-    wb = replace_itemsize(sb, itemsize)
-    wp = replace_itemsize(sp, itemsize)
+    wb, wp = replace(sb, itemsize=itemsize), replace(sp, itemsize=itemsize)
     figs.append(Figure(f"peak memory (batch {b}, prompt {p})", "MB", mb / 1e6, mp / 1e6, saving(mb, mp),
                        saving(resident_bytes(wb, tokens), resident_bytes(wp, tokens)), "weights + KV cache",
                        None, len(rb.memory)))
@@ -133,12 +104,6 @@ def compare(base, pruned, folders: dict[str, Path], cfg: BenchConfig, runs: dict
                   "repeats": cfg.repeats, "new_tokens": cfg.new_tokens, "lengths": list(cfg.lengths),
                   "decode": [list(c) for c in cfg.decode], **environment.versions(), **environment.machine()}
     return BenchResult(figs, heads, conditions)
-
-
-def replace_itemsize(shape, itemsize: int):
-    from dataclasses import replace
-
-    return replace(shape, itemsize=itemsize)
 
 
 if __name__ == "__main__":
