@@ -23,7 +23,8 @@ QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=
          "--set", "evaluation.latency=false", "--set", "bench.enabled=false", "--set", "surgery.mode=mask"]
 PLANS = {"uniform": [], "global": ["--set", "selection.shape=any", "--set", "selection.budget=global",
                                    "--set", "selection.target=0.25"],
-         "six-heads": ["--set", "selection.target=0.25", "--set", "surgery.compensation=zero"]}
+         "six-heads": ["--set", "selection.target=0.25", "--set", "surgery.compensation=zero"],
+         "groups": ["--set", "selection.gqa=group", "--set", "surgery.mode=remove", "--set", "surgery.compensation=zero"]}
 
 
 def pruned_run(tmp_path: Path, name: str) -> Path:
@@ -78,6 +79,20 @@ def test_a_gguf_llama_cpp_runs_differently_is_refused(tmp_path, capsys, monkeypa
     assert main(["export", str(run), "--format", "gguf", "--dtype", "float32"]) == 2
     assert "llama.cpp generates differently from PyTorch" in capsys.readouterr().err
     assert not any(p.name.startswith(("export-gguf", ".export-gguf")) for p in run.iterdir())
+
+
+def test_bench_in_llama_cpp_reports_each_figure_next_to_its_ideal(tmp_path, capsys):
+    """Half the KV groups removed: llama.cpp's own KV cache report shrinks by exactly the ideal, the file by
+    about the parameters' saving (the tokenizer is in both files), and the tables are written."""
+    run = pruned_run(tmp_path, "groups")
+    assert main(["bench", str(run), "--runtime", "llama.cpp", "--lengths", "64", "--decode", "1x16", "--new-tokens",
+                 "8", "--repeats", "1"]) == 0
+    assert "prefill T=64 (tokens/s)" in capsys.readouterr().out
+    figs = {f["name"]: f for f in json.loads((run / "bench-llama.cpp.json").read_text())["figures"]}
+    kv = figs["KV cache"]
+    assert kv["ideal"] > 0 and kv["saving"] == pytest.approx(kv["ideal"], abs=1e-9)
+    assert figs["GGUF file"]["saving"] == pytest.approx(figs["GGUF file"]["ideal"], abs=0.02)
+    assert (run / "bench-llama.cpp.md").exists()
 
 
 REAL = {  # real widths of public configs, few layers: what the benchmarks build (eval/bench_pruned.py)
