@@ -8,13 +8,22 @@ with different head counts) cannot go through it: `selection.shape: servable` pr
 one can. Nothing is published that does not run: `check` generates greedily with the GenAI
 generator from a fixed prompt and requires the tokens PyTorch generates from the same checkpoint.
 
+One shape needs a hand: a Llama whose pruned head count Llama's config refuses is written as a vanilla
+`MistralForCausalLM` with an explicit `head_dim` (`saving`), and the builder's Mistral path does not take
+Llama 3's scaled rope (NotImplementedError "The llama3 RoPE style is not currently supported") while its
+Llama path does, reading `head_dim` from the config as the Mistral path does. The two are the same
+network, so the builder is pointed at its Llama path for that checkpoint (`_builder_input`); the
+generation check proves the result.
+
 The builder and the generator are the optional extra `onnx` (`pip install "pruner[onnx]"`).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -47,11 +56,12 @@ def build(checkpoint: Path, out: Path, dtype: str = "float32") -> None:
     if dtype not in PRECISIONS:
         raise OnnxError(f"ONNX export dtype {dtype!r} is not one of {', '.join(PRECISIONS)}")
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
-           "-p", PRECISIONS[dtype], "-e", "cpu", "-c", str(out / ".cache")]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="pruner-onnx-input-") as shadow:
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(_builder_input(checkpoint,
+               Path(shadow))), "-o", str(out), "-p", PRECISIONS[dtype], "-e", "cpu", "-c", str(out / ".cache")]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
-        lines = [x for x in (done.stderr + done.stdout).strip().splitlines() if x.strip()]
+        lines = [x for x in (done.stderr.strip() or done.stdout.strip()).splitlines() if x.strip()]
         raise OnnxError(f"the ONNX Runtime GenAI builder failed on {checkpoint}: "
                         f"{lines[-1] if lines else f'exit status {done.returncode}'}")
     for f in (out / ".cache").glob("**/*"):  # the builder's download cache: empty offline, never published
@@ -60,6 +70,20 @@ def build(checkpoint: Path, out: Path, dtype: str = "float32") -> None:
     for d in sorted((out / ".cache").glob("**/*"), reverse=True) + [out / ".cache"]:
         if d.is_dir():
             d.rmdir()
+
+
+def _builder_input(checkpoint: Path, shadow: Path) -> Path:
+    """The folder the builder reads: `checkpoint` itself, or for a Mistral checkpoint with Llama 3's scaled
+    rope a `shadow` of it (links to its files) whose config.json names the builder's Llama path."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    rope = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("rope_type")
+    if config.get("architectures") != ["MistralForCausalLM"] or rope != "llama3":
+        return checkpoint
+    for f in checkpoint.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (shadow / f.name).symlink_to(f.resolve())
+    (shadow / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}, indent=2))
+    return shadow
 
 
 def prompt(vocab_size: int, tokens: int = PROMPT_TOKENS) -> torch.Tensor:
