@@ -121,3 +121,47 @@ def test_the_shortlist_measures_the_proxys_cheapest_heads_and_keeps_the_rest_abo
     assert torch.equal(alone.shortlist, short) and torch.isnan(alone.ablation[~short]).all()
     torch.testing.assert_close(alone.ablation[short], inputs.ablation[short], rtol=0, atol=1e-9)
     assert alone.costs["ablation-shortlist"]["passes"] == 5
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("samples,models,want", [(16, 20, (4, 5)), (16, 4, (16, 4)), (4, 20, (4, 20)),
+                                                 (8, 6, (2, 2)), (9, 5, (3, 2))])
+def test_rungs_score_every_candidate_on_a_quarter_and_the_best_quarter_on_the_rest(samples, models, want):
+    from pruner.runs.autochoice import rungs
+
+    assert rungs(samples, models) == want
+
+
+def test_candidates_dropped_after_the_first_rung_are_listed_last_with_their_samples():
+    """Six scorers x mean on 8 held-back samples: every pruned model on the first 2, the best 2 on all 8
+    (pairs whose scorers chose the same heads share their model's rows); the kept pair is one scored on every sample, and a
+    survivor's perplexity is its perplexity over all 8 samples, computed by hand."""
+    from pruner.runs import compensating, context, pipeline
+    from pruner.runs.recipe_io import build_recipe
+
+    six = ["refit-energy", "cosine", "fluctuation", "magnitude", "entropy", "output-norm"]
+    recipe = _recipe(calibration={"num_samples": 16, "holdout": 8}, scorer={"candidates": six},
+                     surgery={"compensation": "auto", "candidates": ["mean"]})
+    auto = pruner.prune(recipe=recipe, progress=False).metrics["auto"]
+    table, passes = auto["candidates"], auto["passes"]
+    distinct = passes["held_back"] - 1
+    assert passes["first_rung_samples"] == 2 and distinct > 4
+    full = [r for r in table if r["samples"] == 8]
+    assert len({r["perplexity"] for r in full}) <= passes["scored_on_all"] <= len(full) and table[:len(full)] == full
+    assert all(r["samples"] == 2 for r in table[len(full):])
+    assert (auto["scorer"], auto["compensation"]) == (full[0]["scorer"], full[0]["compensation"])
+    assert [r["perplexity"] for r in full] == sorted(r["perplexity"] for r in full)
+    assert "on the first 2 held-back samples, the best" in auto["line"]
+
+    row = full[-1]
+    named = _recipe(calibration={"num_samples": 16, "holdout": 8}, scorer={"name": row["scorer"], "candidates": None},
+                    surgery={"compensation": "mean"})
+    session = context.prepare(build_recipe(named), progress=False, evaluation=False)
+    plan = pipeline.make_plan(session, progress=False)
+    comp = compensating.compensation(session.model, plan.heads, session.recipe.surgery, plan.calibration)
+    held = session.heldout
+    with surgery.masked(session.model, plan.heads, comp), torch.no_grad():
+        logits = session.model(held.input_ids, attention_mask=held.attention_mask).logits
+    labels = held.input_ids.masked_fill(held.attention_mask == 0, -100)[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, ignore_index=-100)
+    assert math.exp(float(nll)) == pytest.approx(row["perplexity"], rel=1e-4)

@@ -48,6 +48,8 @@ class Choice:
     tokens: int              # scored tokens in them
     seconds: float           # the calibration pass and every held-back pass
     passes: int = 0          # held-back passes: one per distinct pruned model, and the unpruned one
+    first: int = 0           # held-back samples every distinct pruned model was scored on (`rungs`)
+    rest: int = 0            # distinct pruned models then scored on the other samples too
 
     def line(self) -> str:
         """Which pair and why, in one line."""
@@ -57,13 +59,22 @@ class Choice:
         return (f"auto: {self.scorer} + {self.compensation}, the lowest held-back perplexity of {len(self.table)} "
                 f"candidates ({best['perplexity']:.2f}, {best['delta']:+.2f} over the unpruned model on "
                 f"{self.samples} held-back samples, {self.tokens} tokens{runner}); choosing took "
-                f"{self.seconds:.1f} s: one calibration pass and {self.passes} held-back passes")
+                f"{self.seconds:.1f} s: one calibration pass, {self.cost()}")
+
+    def cost(self) -> str:
+        """The held-back passes choosing made, in words."""
+        models = self.passes - 1
+        if self.first >= self.samples:
+            return f"{models} pruned models and the unpruned one on every held-back sample"
+        return (f"{models} pruned models on the first {self.first} held-back samples, the best {self.rest} on all "
+                f"{self.samples}")
 
     def record(self) -> dict:
         """metrics.json's `auto` block."""
         return {"scorer": self.scorer, "compensation": self.compensation, "line": self.line(), "base": self.base,
                 "samples": self.samples, "tokens": self.tokens, "seconds": round(self.seconds, 1),
-                "passes": {"calibration": 1, "held_back": self.passes}, "candidates": self.table}
+                "passes": {"calibration": 1, "held_back": self.passes, "first_rung_samples": self.first,
+                           "scored_on_all": self.rest}, "candidates": self.table}
 
 
 def candidates(session: Session) -> list[tuple[str, str]]:
@@ -107,9 +118,78 @@ def resolved(recipe: Recipe, scorer: str, compensation: str) -> Recipe:
         "calibration": recipe.calibration.model_copy(update={"holdout": recipe.calibration.held_back(True)})})
 
 
-def _perplexity(scores) -> tuple[float, int]:
-    nll, count, _ = scores
-    return math.exp(float(nll.sum()) / max(int(count.sum()), 1)), int(count.sum())
+def _perplexity(nll, count) -> float:
+    return math.exp(float(nll.sum()) / max(int(count.sum()), 1))
+
+
+def rungs(samples: int, models: int) -> tuple[int, int]:
+    """(the held-back samples every candidate is scored on first, how many candidates are then scored on the
+    rest): with more than 4 distinct pruned models and at least 8 samples, every one on the first quarter
+    and the best quarter of them (at least 2) on the rest -- successive halving's two rungs, about half the
+    passes of scoring every candidate on every sample; else every candidate on every sample."""
+    if models <= 4 or samples < 8:
+        return samples, models
+    return -(-samples // 4), max(2, -(-models // 4))
+
+
+def _rows(windows: EvalWindows, rows: range) -> EvalWindows:
+    idx = slice(rows.start, rows.stop)
+    return EvalWindows(windows.input_ids[idx], windows.attention_mask[idx], windows.labels[idx])
+
+
+@dataclass
+class _Scoring:
+    """The held-back scoring of the distinct pruned models: running NLL sums and token counts, seconds."""
+
+    session: Session          # the held-back samples as its evaluation windows
+    windows: EvalWindows
+    plans: dict
+    compensation: object      # (scorer, kind) -> the compensation to apply
+    sums: dict
+    seconds: dict
+
+    def score(self, key, pair: tuple[str, str], rows: range) -> None:
+        t1 = time.time()
+        part = replace(self.session, _evaluation=_rows(self.windows, rows))
+        nll, count, _ = pipeline._window_scores(part, self.plans[pair[0]].heads, self.compensation(pair))
+        total = self.sums.setdefault(key, [0.0, 0])
+        total[0], total[1] = total[0] + float(nll.sum()), total[1] + int(count.sum())
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.time() - t1
+
+    def perplexity(self, key) -> float:
+        return math.exp(self.sums[key][0] / max(self.sums[key][1], 1))
+
+
+def _table(held: Session, windows: EvalWindows, pairs: list, plans: dict, compensation):
+    """Every pair's held-back perplexity in the two rungs of `rungs` (best first: those scored on every
+    sample, then those dropped after the first rung), the unpruned model's, the tokens scored, the passes
+    (distinct pruned models and the unpruned one), the first rung's samples and the models scored on all."""
+    base_nll, base_count, _ = pipeline._window_scores(held)
+    key_of = {(s, k): (k, tuple(sorted((layer, tuple(sorted(h))) for layer, h in plans[s].heads.items())))
+              for s, k in pairs}  # two scorers with the same plan give the same pruned model: scored once
+    models = {}
+    for pair in pairs:
+        models.setdefault(key_of[pair], pair)
+    scoring, n = _Scoring(held, windows, plans, compensation, {}, {}), len(windows)
+    first, keep = rungs(n, len(models))
+    for key, pair in models.items():
+        scoring.score(key, pair, range(first))
+    survivors = sorted(models, key=scoring.perplexity)[:keep]  # stable: ties keep the candidates' order
+    if DEFAULT_PAIR in key_of and key_of[DEFAULT_PAIR] not in survivors:  # never dropped on a quarter
+        survivors.append(key_of[DEFAULT_PAIR])
+    for key in survivors if first < n else ():
+        scoring.score(key, models[key], range(first, n))
+    table = []
+    for pair in pairs:
+        key = key_of[pair]
+        rows = n if first == n or key in survivors else first
+        ppl = scoring.perplexity(key)
+        table.append({"scorer": pair[0], "compensation": pair[1], "perplexity": ppl,
+                      "delta": ppl - _perplexity(base_nll[:rows], base_count[:rows]), "samples": rows,
+                      "seconds": round(scoring.seconds[key], 2)})
+    table.sort(key=lambda row: (-row["samples"], row["perplexity"]))  # stable: ties keep the candidates' order
+    return (table, _perplexity(base_nll, base_count), int(base_count.sum()), len(models) + 1, first,
+            len(models) if first == n else len(survivors))
 
 
 def choose(session: Session, progress: bool = True, inputs: ScoringInputs | None = None):
@@ -133,27 +213,22 @@ def choose(session: Session, progress: bool = True, inputs: ScoringInputs | None
     pick = (lambda f: distributed.from_root(f)) if pipeline.root_keeps(session) else (lambda f: f())
     plans = {s: pick(lambda s=s: select(get_scorer(s), inputs, geom, cfg)) for s in scorers}
     held = replace(session, _evaluation=windows, _downstream=None, checkpoints=resume.NONE)
-    base, tokens = _perplexity(pipeline._window_scores(held))
+    base_nll, base_count, _ = pipeline._window_scores(held)
     refit_spec = probe.recipe.surgery.model_copy(update={"compensation": "refit"})
     refits = {}
     if "refit" in kinds and compensating.needs_pass(inputs, None, refit_spec):  # one pass for every plan's refit
         refits = dict(zip(scorers, compensating.oneshot_refits(session, [plans[s].heads for s in scorers],
                                                                refit_spec)))
-    table, seen = [], {}  # two scorers with the same plan give the same pruned model: scored once
-    for scorer, kind in pairs:
-        t1 = time.time()
-        same = (kind, tuple(sorted((k, tuple(sorted(v))) for k, v in plans[scorer].heads.items())))
-        if same not in seen:
-            spec = probe.recipe.surgery.model_copy(update={"compensation": kind})
-            comp = refits[scorer] if kind == "refit" and scorer in refits else \
-                compensating.shared_compensation(session, plans[scorer].heads, spec, inputs)
-            seen[same] = _perplexity(pipeline._window_scores(held, plans[scorer].heads, comp))[0]
-        table.append({"scorer": scorer, "compensation": kind, "perplexity": seen[same],
-                      "delta": seen[same] - base, "seconds": round(time.time() - t1, 2)})
-    table.sort(key=lambda row: row["perplexity"])  # stable: ties keep the candidates' order
-    best = table[0]
-    choice = Choice(best["scorer"], best["compensation"], table, base, len(windows), tokens, time.time() - t0,
-                    len(seen) + 1)
+
+    def compensation(pair):
+        scorer, kind = pair
+        spec = probe.recipe.surgery.model_copy(update={"compensation": kind})
+        return refits[scorer] if kind == "refit" and scorer in refits else \
+            compensating.shared_compensation(session, plans[scorer].heads, spec, inputs)
+
+    table, base, tokens, passes, first, rest = _table(held, windows, pairs, plans, compensation)
+    choice = Choice(table[0]["scorer"], table[0]["compensation"], table, base, len(windows), tokens,
+                    time.time() - t0, passes, first, rest)
     return replace(session, recipe=resolved(r, choice.scorer, choice.compensation)), inputs, choice
 
 

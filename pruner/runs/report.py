@@ -227,12 +227,14 @@ def plot_refit(metrics: dict, path: Path) -> bool:
 def auto_table(auto: dict) -> str:
     """The candidates `auto` scored on the held-back calibration samples, best first (`pruner.runs.autochoice`)."""
     rows = [[f"`{c['scorer']}`", f"`{c['compensation']}`", f"{c['perplexity']:.2f}", f"{c['delta']:+.2f}",
-             f"{c['seconds']:.1f}"] for c in auto["candidates"]]
+             c.get("samples", auto["samples"]), f"{c['seconds']:.1f}"] for c in auto["candidates"]]
     return "\n".join([
         "## How auto chose", "", auto["line"] + ".", "",
         f"Held-back perplexity of each candidate at the target ({auto['samples']} calibration samples never in the "
-        f"sums, {auto['tokens']} tokens; the unpruned model {auto['base']:.2f}); best first:", "",
-        markdown_table(["scorer", "compensation", "perplexity", "change", "seconds"], rows)])
+        f"sums, {auto['tokens']} tokens; the unpruned model {auto['base']:.2f}); best first: those scored on every "
+        "held-back sample, then those dropped after the first quarter (change against the unpruned model on the "
+        "same samples):", "",
+        markdown_table(["scorer", "compensation", "perplexity", "change", "samples", "seconds"], rows)])
 
 
 def plan_table(plan: dict) -> str:
