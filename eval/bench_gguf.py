@@ -8,7 +8,9 @@ Model: random weights of the public Llama-3.2-1B config (eval/bench_pruned.py's 
 Plans from `random` scores through the usual selection (which heads go does not change what removing them
 buys): 50% of heads as whole KV groups (`group`, 16 of 32 heads over 4 of 8 KV heads in every layer), 25%
 uniform keeping every KV head (24 heads: a count Llama's config refuses, so a vanilla `MistralForCausalLM`),
-and 25% under a global budget (layers differ: llama.cpp's `deci`). Each is written as a GGUF (`--dtype`,
+and 25% with layers that differ (llama.cpp's `deci`: 16, 8, 8 and 0 of 32 heads removed in turn, taken evenly
+from the KV groups -- what a global budget gives; on random weights the global selection spreads the cut
+evenly, so it is written out). Each is written as a GGUF (`--dtype`,
 default float16) by `pruner.checkpoints.gguf_file` and timed by `pruner.evaluation.llamacpp_timing`:
 a fresh process per file and round, base and plans alternately, medians of `--repeats` rounds after a warm-up.
 Targets: prefill T=2048 and decode gains >= 80% of the ideal for 50% group; KV cache bytes = the ideal
@@ -40,8 +42,20 @@ from pruner.pruning.selection import SelectionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = [("50% group", SelectionConfig(target=0.5, budget="layer", gqa="group")),
-         ("25% uniform", SelectionConfig(target=0.25, budget="layer", gqa="equal")),
-         ("25% global", SelectionConfig(target=0.25, budget="global", gqa="equal"))]
+         ("25% uniform", SelectionConfig(target=0.25, budget="layer", gqa="equal"))]
+UNEVEN = (16, 8, 8, 0)  # heads removed per layer, in turn: 25% of the heads over every 4 layers
+
+
+def uneven(base) -> dict[int, list[int]]:
+    """25% of the heads, layers differing (`UNEVEN`), each layer's cut taken evenly from its KV groups."""
+    from pruner.core import arch
+
+    g = arch.geometry(base)
+    plan = {}
+    for layer in range(g.n_layers):
+        per_group = UNEVEN[layer % len(UNEVEN)] // g.n_kv_heads
+        plan[layer] = [k * g.group_size + i for k in range(g.n_kv_heads) for i in range(per_group)]
+    return plan
 
 
 def checks(base, pruned: dict, tok, work: Path) -> list[dict]:
@@ -132,6 +146,7 @@ def main() -> None:
     base = build("llama-3.2-1b", torch.float32)
     tok = loading.load_tokenizer("llama-shakespeare")  # ids are fed directly; the rest of the vocabulary is padding
     pruned = {label: bench.compact_copy(base, bench.weight_plan(base, sel, seed=0).heads) for label, sel in PLANS}
+    pruned["25% uneven"] = bench.compact_copy(base, uneven(base))
     print(f"built in {time.time() - t0:.0f} s", flush=True)
     cfg = BenchConfig(tuple(int(x) for x in args.lengths.split(",")), ((1, args.prompt),), args.new_tokens,
                       args.repeats)

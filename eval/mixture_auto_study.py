@@ -1,6 +1,6 @@
 """Issue 35's evidence: a calibration mixture and `auto`, chosen on development splits, reported on evaluation ones.
 
-    python eval/mixture_auto_study.py --split dev         [--models gpt2-shakespeare,llama-shakespeare] [--windows 32]
+    python eval/mixture_auto_study.py --split dev         [--models minilm-causal,gpt2-shakespeare,...] [--windows 32]
     python eval/mixture_auto_study.py --split evaluation  [--models ...] [--windows 32]
     python eval/mixture_auto_study.py --tables            (prints the tables of every results file written)
 
@@ -68,8 +68,11 @@ def texts(split: str):
         "package-docs": load("package-docs:evaluation")}
 
 
+RECIPES = {"minilm-causal": "quickstart"}  # the shipped causal MiniLM's recipe is the quickstart's
+
+
 def session(model: str, corpora, holdout: int, extra: list[str] = ()):
-    r = load_recipe(ROOT / "recipes" / f"{model}.yaml", SETTINGS + list(extra))
+    r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS + list(extra))
     s = context.prepare(r, progress=False, evaluation=False, calibration_texts=corpora[0])
     s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128, num_samples=64, seed=0,
                                                      holdout=holdout)
@@ -188,7 +191,7 @@ def targets(records: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--split", choices=("dev", "evaluation"))
-    p.add_argument("--models", default="gpt2-shakespeare,llama-shakespeare")
+    p.add_argument("--models", default="minilm-causal,gpt2-shakespeare,llama-shakespeare")
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--tables", action="store_true")
     a = p.parse_args()
