@@ -10,8 +10,9 @@ compensation (plain weights, so the uniform plan is a vanilla checkpoint at ever
 `pruner prune` twice per plan, evaluating on the evaluation plays and on `python-docs:evaluation` (64 windows
 x 128 tokens each, perplexity paired with the unpruned model, 95% bootstrap CI), then `pruner bench RUN
 --runtime llama.cpp` (float16 GGUF; prefill T=64 and 255, decode at batch 1 after a 32-token prompt, 64 new
-tokens; `--repeats` interleaved rounds). gpt2-shakespeare, the other shipped decoder, has no uniform vanilla
-shape and no GGUF (its config derives the head width from hidden / heads): perplexity only.
+tokens; `--repeats` interleaved rounds). gpt2-shakespeare and minilm-causal (the quickstart's recipe), the
+other shipped decoders, have no uniform vanilla shape and no GGUF (their configs derive the head width from
+hidden / heads): perplexity only, the uniform plan in the per-layer form.
 Writes eval/results/plan_choice.json.
 """
 
@@ -33,8 +34,11 @@ SHAPES = {"uniform": ["selection.shape=servable", "selection.budget=layer"],
 COMMON = ["surgery.compensation=refit", "surgery.mode=mask", "bench.enabled=false", "evaluation.latency=false"]
 
 
+RECIPES = {"minilm-causal": "quickstart"}
+
+
 def prune(recipe: str, out: Path, sets: list[str]) -> dict:
-    args = ["prune", str(ROOT / "recipes" / f"{recipe}.yaml"), "--out", str(out)]
+    args = ["prune", str(ROOT / "recipes" / f"{RECIPES.get(recipe, recipe)}.yaml"), "--out", str(out)]
     assert cli(args + [x for s in COMMON + sets for x in ("--set", s)]) == 0, (recipe, sets)
     m = json.loads((out / "metrics.json").read_text())
     heads = json.loads((out / "plan.json").read_text())["heads"]
@@ -52,10 +56,10 @@ def main() -> None:
 
     records = []
     with tempfile.TemporaryDirectory(prefix="plan-choice-") as work:
-        for recipe in ("llama-shakespeare", "gpt2-shakespeare"):
+        for recipe in ("llama-shakespeare", "gpt2-shakespeare", "minilm-causal"):
             for target in (float(t) for t in args.targets.split(",")):
                 for shape, sets in SHAPES.items():
-                    if recipe == "gpt2-shakespeare" and shape == "uniform":
+                    if recipe != "llama-shakespeare" and shape == "uniform":
                         sets = ["selection.shape=any", "selection.budget=layer"]  # no servable shape: per-layer form
                     rec = {"model": recipe, "target": target, "plan": shape}
                     for data in DATA:
