@@ -164,7 +164,8 @@ class SelectionSpec(_Strict):
                                 "moves to the nearest, said in one line), so the compact checkpoint loads in "
                                 "transformers, serving engines and llama.cpp without remote code; any: the target "
                                 "exactly, layers may differ (the per-layer form; llama.cpp runs a Llama or Mistral "
-                                "one through export --format gguf)")
+                                "one through export --format gguf, and there the global budget is usually the lower perplexity: "
+                                "docs/export.md#which-plan-to-pick)")
     seed: int = 0
 
     @field_validator("target", mode="before")
