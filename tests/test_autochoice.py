@@ -165,3 +165,14 @@ def test_candidates_dropped_after_the_first_rung_are_listed_last_with_their_samp
     labels = held.input_ids.masked_fill(held.attention_mask == 0, -100)[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, ignore_index=-100)
     assert math.exp(float(nll)) == pytest.approx(row["perplexity"], rel=1e-4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("compensation,kinds,want", [("mean", ["mean"], "mean"), ("auto", ["mean", "refit"], "refit"),
+                                                     ("auto", ["zero", "mean"], "zero")])
+def test_a_measured_scorer_under_compensation_auto_removes_heads_as_auto_measures(compensation, kinds, want):
+    """`compare` / `prune` with compensation auto and a measured scorer: the ablations compensate with the refit
+    when it is a candidate (was: the name "auto" handed to the ablation)."""
+    from pruner.runs import pipeline
+
+    assert pipeline.measured_compensation(compensation, kinds) == want

@@ -199,7 +199,7 @@ def choose(session: Session, progress: bool = True, inputs: ScoringInputs | None
     pairs, r = candidates(session), session.recipe
     windows = heldout_windows(session)
     scorers, kinds = list(dict.fromkeys(s for s, _ in pairs)), list(dict.fromkeys(c for _, c in pairs))
-    measure = "refit" if "refit" in kinds else kinds[0]  # the measured scorers compensate as the refit would
+    measure = pipeline.measured_compensation("auto", kinds)  # the measured scorers compensate as the refit would
     probe = replace(session, recipe=resolved(r, scorers[0], measure))
     geom = arch.geometry(session.model)
     cfg = pipeline.selection_config(probe.recipe, session.model)

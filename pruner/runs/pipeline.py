@@ -72,9 +72,18 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
                      gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
                      seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
-                     ablation=AblationRequest(r.surgery.compensation, r.scorer.ablation_samples, r.scorer.shortlist,
-                                               tuple(s.name for s in scorers if s.needs_ablation)) if ablation else None,
+                     ablation=AblationRequest(measured_compensation(r.surgery.compensation, kinds),
+                                              r.scorer.ablation_samples, r.scorer.shortlist,
+                                              tuple(s.name for s in scorers if s.needs_ablation)) if ablation else None,
                      curves=request)
+
+
+def measured_compensation(compensation: str, kinds: list[str]) -> str:
+    """The compensation a measured scorer removes each head with: the run's, or under `compensation: auto`
+    the refit when refit is a candidate (else the first candidate) -- as `auto` itself measures."""
+    if compensation != "auto":
+        return compensation
+    return "refit" if "refit" in kinds else kinds[0]
 
 
 def stage(session: Session, name: str, compute):
