@@ -70,6 +70,23 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
     assert loading.load_model(str(out / "model")).config.num_attention_heads == 4  # plain from_pretrained too
 
 
+def test_a_per_layer_run_recovers_into_a_per_layer_model(tmp_path):
+    """GPT-2 has no vanilla pruned shape: model/ is the per-layer form, and so is the recovered model (the
+    student loaded by pruner.load is saved as it is; was: refused at the very end, after the training)."""
+    import pruner
+
+    run, out = tmp_path / "gpt2", tmp_path / "rec"
+    assert main(["prune", str(ROOT / "recipes" / "gpt2-shakespeare.yaml"), "--out", str(run), "--set",
+                 "calibration.num_samples=8", "--set", "evaluation.num_samples=4", "--set", "bench.enabled=false",
+                 "--set", "evaluation.latency=false", "--set", "surgery.mode=remove"]) == 0
+    assert main(["recover", str(run), "--out", str(out), "--tokens", "1024", "--set", "recovery.batch_size=4",
+                 "--set", "recovery.length=64"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["model_layout"] == "per-layer" and (out / "model" / "modeling_pruned_gpt2.py").exists()
+    rec, pruned = pruner.load(out / "model"), pruner.load(run / "model")
+    assert rec.config.num_attention_heads_per_layer == pruned.config.num_attention_heads_per_layer
+
+
 def _copy(run: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "copy"
     shutil.copytree(run, dst)

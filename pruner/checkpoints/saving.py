@@ -55,14 +55,16 @@ def save(model, tokenizer, folder: Path, removed: bool, dtype: str | None = None
     `dtype`: storage dtype (None: the model's own). Raises CheckpointError when no layout
     holds the model or the reload does not reproduce it.
     """
-    kind, why = forms.layout(model, removed)
+    already = getattr(model.config, modeling.FORMAT_KEY, None)  # a per-layer model itself (pruner.load of one)
+    kind, why = ("per-layer", "it is a per-layer model (layers keep different head counts)") if already else \
+        forms.layout(model, removed)
     folder, note = Path(folder), None
     own = next(model.parameters()).dtype
     store = getattr(torch, dtype) if dtype else own
     with stored_as(model, store):
         if kind == "per-layer":
-            forms.per_layer_model(model).save_pretrained(folder)
-            family = model.config.model_type
+            (model if already else forms.per_layer_model(model)).save_pretrained(folder)
+            family = modeling.vanilla_type(model.config.model_type) if already else model.config.model_type
             shutil.copyfile(modeling.source(family), folder / modeling.file_name(family))
         else:
             form = forms.vanilla_form(model) if kind == "vanilla" else None
