@@ -14,7 +14,7 @@ the head count). transformers' Llama rotates the two halves of a head (`rotate_h
 these architectures rotates adjacent pairs, so q and k rows are permuted within each head as llama.cpp's
 converter does. Llama 3's scaled rope goes in as the `rope_freqs` tensor of per-frequency divisors.
 The byte-level BPE tokenizer goes in with its special tokens; llama.cpp knows pre-tokenizers by name, so a
-GPT-2-style one is written as `gpt2` and any other as `default` (token ids are unaffected; text may split
+GPT-2-style one is written as `gpt-2` and any other as `default` (token ids are unaffected; text may split
 differently: `tokenizer_note` says so). 1-D tensors (norms, biases, rope factors) are float32, as llama.cpp's
 converter stores them; matrices in the export dtype.
 """

@@ -19,6 +19,7 @@ chosen pair then runs as if named, from the same calibration.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, replace
@@ -220,6 +221,7 @@ def choose(session: Session, progress: bool = True, inputs: ScoringInputs | None
         refits = dict(zip(scorers, compensating.oneshot_refits(session, [plans[s].heads for s in scorers],
                                                                refit_spec)))
 
+    @functools.cache  # a survivor is scored in both rungs: its compensation is made once
     def compensation(pair):
         scorer, kind = pair
         spec = probe.recipe.surgery.model_copy(update={"compensation": kind})
