@@ -51,6 +51,37 @@ def test_topk_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
 
 
 @pytest.mark.unit
+def test_tail_samples_estimate_the_full_kl_where_the_collapsed_tail_cannot_see_the_drift():
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(1, 3, 60, generator=g) * 2
+    top, idx, tail = loss.topk_targets(t, 6)
+    # a student equal to the teacher on its top 6 tokens and on the tail's total mass, but spread differently there
+    s_lp = loss.log_probs(t).clone()
+    outside = torch.ones_like(s_lp, dtype=torch.bool).scatter(-1, idx.long(), False)
+    flat = torch.where(outside, torch.randn(s_lp.shape, generator=g) * 3, torch.full_like(s_lp, -torch.inf))
+    s_lp = torch.where(outside, flat.log_softmax(-1) + tail[..., None], s_lp)
+    mask = torch.ones(1, 3)
+    full, _ = loss.full_kl(s_lp, t, mask)
+    collapsed, _ = loss.topk_kl(s_lp, top, idx, tail, mask)
+    assert float(collapsed) < 1e-4 < 0.1 < float(full)  # the collapsed bin is blind to the tail's drift
+    samples = loss.tail_samples(t, idx, 20000, torch.Generator().manual_seed(3))
+    assert samples[0].dtype == torch.int32 and samples[0].shape == (1, 3, 20000)
+    assert not torch.isin(samples[0][0, 0], idx[0, 0]).any()  # drawn from the tail only
+    estimate, _ = loss.topk_kl(s_lp, top, idx, tail, mask, samples=samples)
+    torch.testing.assert_close(estimate, full, rtol=0.03, atol=1e-3)  # unbiased: the mean of many samples
+
+
+@pytest.mark.unit
+def test_an_empty_tail_gives_the_exact_kl_with_samples_too():
+    g = torch.Generator().manual_seed(4)
+    s, t = torch.randn(2, 4, 12, generator=g), torch.randn(2, 4, 12, generator=g)
+    top, idx, tail = loss.topk_targets(t, 12)
+    samples = loss.tail_samples(t, idx, 3, torch.Generator().manual_seed(0))
+    exact, _ = loss.topk_kl(s, top, idx, tail, torch.ones(2, 4), samples=samples)
+    torch.testing.assert_close(exact, loss.full_kl(s, t, torch.ones(2, 4))[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.unit
 def test_half_precision_logits_give_a_finite_float32_loss():
     s = (torch.randn(1, 4, 50) * 30).to(torch.bfloat16)
     t = (torch.randn(1, 4, 50) * 30).to(torch.float16)

@@ -9,9 +9,15 @@ batches) add their sums and divide once: the same mean as one process on the who
 batch.
 
 `topk_kl` is the same divergence against a cached teacher that kept only its top-k
-log-probabilities and the mass of the rest: both distributions are collapsed onto those
-k tokens plus one "tail" bin, which is the exact KL of the collapsed distributions (a
-lower bound of the full one, equal to it when the tail is empty).
+log-probabilities and the mass of the rest. Over the top k it is exact. The rest of the
+vocabulary (the tail) is read one of two ways: collapsed to one bin in both distributions
+(the exact KL of the collapsed distributions: a lower bound of the full one, blind to how
+the student spreads its tail), or, when the cache also kept m tokens sampled from the
+teacher's tail with their log-probabilities (`tail_samples`), as p_tail times the mean of
+log p(y) - log q(y) over those samples: a Monte-Carlo estimate of the full KL's tail term
+that is unbiased, so the loss and its gradient are the full-vocabulary KL's in expectation.
+Without the samples a student can lower the collapsed KL while its tail drifts away from
+the teacher's (docs/recovery.md: both held-out domains got worse).
 """
 
 from __future__ import annotations
@@ -50,18 +56,40 @@ def topk_targets(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0
     return top, idx.to(torch.int32), tail
 
 
+def tail_samples(teacher_logits: torch.Tensor, idx: torch.Tensor, m: int, generator: torch.Generator,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`m` tokens per position drawn (with replacement) from the teacher's distribution outside its top k
+    (`idx`: (B, T, k)), and their teacher log-probabilities: (B, T, m) int32, (B, T, m) float32. A position
+    whose tail is empty gets arbitrary tokens (its tail mass, the samples' weight, is 0)."""
+    lp = log_probs(teacher_logits, temperature)                         # (B, T, V)
+    p = lp.exp().scatter(-1, idx.long(), 0.0)                           # (B, T, V): the tail only
+    B, T, V = p.shape
+    flat = p.reshape(B * T, V)
+    flat = torch.where(flat.sum(-1, keepdim=True) > 0, flat, torch.ones_like(flat))
+    y = torch.multinomial(flat, m, replacement=True, generator=generator).reshape(B, T, m)
+    return y.to(torch.int32), lp.gather(-1, y)
+
+
 def topk_kl(student_logits: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, tail: torch.Tensor,
-            mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed KL of the teacher's top-k + tail distribution from the student's, collapsed the same way.
+            mask: torch.Tensor, temperature: float = 1.0,
+            samples: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL of the teacher's top-k + tail distribution from the student's: the tail collapsed to one bin
+    in both, or estimated from the teacher's tail `samples` ((B, T, m) ids and log-probabilities, from
+    `tail_samples`) when given.
 
     student_logits: (B, T, V); top, idx: (B, T, k); tail, mask: (B, T). Returns (sum, count) as `full_kl`.
     """
     s = log_probs(student_logits, temperature)                          # (B, T, V)
     s_top = s.gather(-1, idx.long())                                    # (B, T, k)
-    s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-7))      # (B, T)
     kl = (top.exp() * (top - s_top)).sum(-1)                            # (B, T)
     p_tail = tail.exp()
-    kl = kl + torch.where(p_tail > 0, p_tail * (tail - s_tail), torch.zeros_like(kl))
+    if samples is None:
+        s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-7))  # (B, T)
+        per_token = tail - s_tail
+    else:
+        ids, lp = samples
+        per_token = (lp - s.gather(-1, ids.long())).mean(-1)            # (B, T): mean log p(y) - log q(y)
+    kl = kl + torch.where(p_tail > 0, p_tail * per_token, torch.zeros_like(kl))
     on = mask.to(kl.dtype)
     return (kl * on).sum() * temperature ** 2, on.sum()
 

@@ -2,9 +2,12 @@
 top-k cache on disk written by one pass of the teacher before training (`cached`).
 
 The cache keeps, per recovery token, the teacher's k largest log-probabilities, their
-token ids and the log of the remaining mass (`loss.topk_targets`), in memory-mapped
-.npy files: 8k + 4 bytes a token (k = 64: 516 B, 2.1 GB for 4M tokens) instead of the
-vocabulary's 4V. Training then holds only the student; the teacher is released after
+token ids and the log of the remaining mass (`loss.topk_targets`), and m tokens sampled
+from the teacher's tail with their log-probabilities (`loss.tail_samples`, seeded), in
+memory-mapped .npy files: 8k + 4 + 8m bytes a token (k = 64, m = 8: 580 B, 2.4 GB for 4M
+tokens) instead of the vocabulary's 4V. With the samples the loss (and the guard's
+validation KL) estimates the full-vocabulary KL without bias; m = 0 keeps the collapsed
+lower bound. Training then holds only the student; the teacher is released after
 the pass. The disk is checked for room before the pass, and a complete cache (its
 `done` marker) is reused by a resumed recovery.
 """
@@ -43,9 +46,10 @@ class Resident:
         return loss.full_kl(student_logits, t, batch.attention_mask, self.temperature)
 
 
-def cache_bytes(windows: int, length: int, k: int) -> int:
-    """Disk the top-k cache takes: k float32 log-probabilities, k int32 ids and one float32 tail per token."""
-    return windows * length * (8 * k + 4)
+def cache_bytes(windows: int, length: int, k: int, m: int = 0) -> int:
+    """Disk the top-k cache takes: k float32 log-probabilities, k int32 ids, one float32 tail, and m tail samples
+    (int32 id, float32 log-probability) per token."""
+    return windows * length * (8 * k + 4 + 8 * m)
 
 
 def check_disk(folder: Path, need: int) -> None:
@@ -68,33 +72,44 @@ class Cached:
         self.top = np.load(self.folder / "top.npy", mmap_mode="r")     # (N, T, k) float32
         self.idx = np.load(self.folder / "idx.npy", mmap_mode="r")     # (N, T, k) int32
         self.tail = np.load(self.folder / "tail.npy", mmap_mode="r")   # (N, T) float32
+        sampled = (self.folder / "sid.npy").exists()
+        self.sid = np.load(self.folder / "sid.npy", mmap_mode="r") if sampled else None  # (N, T, m) int32
+        self.slp = np.load(self.folder / "slp.npy", mmap_mode="r") if sampled else None  # (N, T, m) float32
 
     def kl(self, student_logits, rows: torch.Tensor, batch: data.TokenBatch):
         r = rows.numpy()
-        top, idx, tail = (torch.from_numpy(np.ascontiguousarray(a[r])) for a in (self.top, self.idx, self.tail))
-        return loss.topk_kl(student_logits, top, idx, tail, batch.attention_mask, self.temperature)
+        rows_of = lambda a: torch.from_numpy(np.ascontiguousarray(a[r]))  # noqa: E731
+        samples = None if self.sid is None else (rows_of(self.sid), rows_of(self.slp))
+        return loss.topk_kl(student_logits, rows_of(self.top), rows_of(self.idx), rows_of(self.tail),
+                            batch.attention_mask, self.temperature, samples)
 
     @staticmethod
     @torch.no_grad()
     def build(teacher, windows: data.TokenBatch, folder: Path, k: int, temperature: float = 1.0,
-              batch_size: int = 8, progress: bool = False) -> "Cached":
-        """One pass of the teacher over `windows` (N, T) into `folder`; reused when already complete."""
+              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0) -> "Cached":
+        """One pass of the teacher over `windows` (N, T) into `folder` (`m` tail samples a token, drawn from a
+        generator seeded by `seed`); reused when already complete."""
         folder = Path(folder)
         if (folder / "done").exists():
             return Cached(folder, temperature)
         n, T = windows.input_ids.shape
-        check_disk(folder, cache_bytes(n, T, k))
+        check_disk(folder, cache_bytes(n, T, k, m))
         k = min(k, teacher.config.vocab_size)
-        top = np.lib.format.open_memmap(folder / "top.npy", "w+", np.float32, (n, T, k))
-        idx = np.lib.format.open_memmap(folder / "idx.npy", "w+", np.int32, (n, T, k))
-        tail = np.lib.format.open_memmap(folder / "tail.npy", "w+", np.float32, (n, T))
+        arrays = {"top": (np.float32, (n, T, k)), "idx": (np.int32, (n, T, k)), "tail": (np.float32, (n, T))}
+        if m:
+            arrays.update(sid=(np.int32, (n, T, m)), slp=(np.float32, (n, T, m)))
+        out = {name: np.lib.format.open_memmap(folder / f"{name}.npy", "w+", *kind) for name, kind in arrays.items()}
+        g = torch.Generator().manual_seed(seed)
         for i in tqdm(range(0, n, batch_size), desc="teacher top-k cache", unit="batch", disable=not progress):
             sl = slice(i, i + batch_size)
             logits = forward_logits(teacher, windows.input_ids[sl], windows.attention_mask[sl])
-            t, j, r = loss.topk_targets(logits, k, temperature)
-            top[sl], idx[sl], tail[sl] = t.numpy(), j.numpy(), r.numpy()
-        for a in (top, idx, tail):
+            got = dict(zip(("top", "idx", "tail"), loss.topk_targets(logits, k, temperature)))
+            if m:
+                got.update(zip(("sid", "slp"), loss.tail_samples(logits, got["idx"], m, g, temperature)))
+            for name, value in got.items():
+                out[name][sl] = value.numpy()
+        for a in out.values():
             a.flush()
-        del top, idx, tail
+        del out
         (folder / "done").write_text("complete\n")
         return Cached(folder, temperature)

@@ -49,7 +49,8 @@ def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None)
     if evaluation is not None:
         rdata.check_overlap(spec, evaluation)
     if spec.teacher == "cached" and cache_folder is not None:
-        rteacher.check_disk(Path(cache_folder), rteacher.cache_bytes(n_train + n_val, spec.length, spec.top_k))
+        rteacher.check_disk(Path(cache_folder), rteacher.cache_bytes(n_train + n_val, spec.length, spec.top_k,
+                                                                     spec.tail_samples))
     return n_train, n_val
 
 
@@ -63,7 +64,8 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
     every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
                             torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
     folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
-    return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress)
+    return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress,
+                                 spec.tail_samples, spec.seed)
 
 
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
