@@ -70,6 +70,22 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
     assert loading.load_model(str(out / "model")).config.num_attention_heads == 4  # plain from_pretrained too
 
 
+def test_recovery_scores_the_runs_downstream_tasks_before_and_after(llama_run, tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(llama_run, run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["evaluation"].update(tasks=["shakespeare_cloze"], task_limit=16)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["recover", str(run), "--out", str(tmp_path / "rec"), *SMALL]) == 0
+    acc = json.loads((tmp_path / "rec" / "metrics.json").read_text())["recovery"]["tasks"]["shakespeare_cloze"]["acc"]
+    assert acc["docs"] == 16 and all(0 <= acc[k] <= 1 for k in ("base", "pruned", "recovered"))
+    assert acc["delta"] == pytest.approx(acc["recovered"] - acc["pruned"])
+    assert acc["ci_low"] <= acc["delta"] <= acc["ci_high"]
+    assert "| shakespeare_cloze | acc |" in (tmp_path / "rec" / "report.md").read_text()
+
+
 def test_a_per_layer_run_recovers_into_a_per_layer_model(tmp_path):
     """GPT-2 has no vanilla pruned shape: model/ is the per-layer form, and so is the recovered model (the
     student loaded by pruner.load is saved as it is; was: refused at the very end, after the training)."""

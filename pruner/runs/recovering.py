@@ -70,10 +70,11 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
 
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
                    folders: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
-                   identity: dict | None = None, texts: list[str] | None = None) -> Recovered:
+                   identity: dict | None = None, texts: list[str] | None = None, tasks=None) -> Recovered:
     """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
-    `evaluation` when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary.
-    `texts`: the recovery text given in memory (instead of `spec.data`)."""
+    `evaluation` when given, and the downstream `tasks` (a `TaskSpec`) of the base, pruned and recovered models
+    when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
+    recovery text given in memory (instead of `spec.data`)."""
     options = options or Options()
     if not runtime.attends_causally(student):
         raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
@@ -88,6 +89,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     else:
         windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
     base, before = _nll(teacher, evaluation), _nll(student, evaluation)
+    task_base, task_before = (None, None) if not tasks else (_task_scores(tasks, teacher, tokenizer),
+                                                             _task_scores(tasks, student, tokenizer))
     tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
     try:
         targets = _targets(spec, teacher, windows, tmp, options.progress)
@@ -99,7 +102,30 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
               "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
     if evaluation is not None:
         record["perplexity"] = perplexity_record(base, before, _nll(done.model, evaluation))
+    if tasks:
+        record["tasks"] = tasks_record(task_base, task_before, _task_scores(tasks, done.model, tokenizer), tasks.seed)
     return Recovered(done.model, record)
+
+
+def _task_scores(tasks, model, tokenizer) -> dict:
+    from pruner.evaluation import downstream
+
+    return downstream.Downstream(model, tokenizer, tasks, causal=True).scores()
+
+
+def tasks_record(base: dict, pruned: dict, recovered: dict, seed: int = 0, n_boot: int = 1000) -> dict:
+    """{task: {metric: {base, pruned, recovered, delta, ci_low, ci_high, docs}}}: the accuracy of the three models
+    on the same documents, and the paired change recovery made (recovered - pruned) with its bootstrap CI."""
+    from pruner.evaluation.accuracy import paired_accuracy
+
+    out: dict[str, dict[str, dict]] = {}
+    for name, p in pruned.items():
+        of_base = {d.metric: d.base for d in paired_accuracy(base[name], p, n_boot=1, seed=seed)}
+        for d in paired_accuracy(p, recovered[name], n_boot=n_boot, seed=seed):
+            out.setdefault(name, {})[d.metric] = {"base": of_base[d.metric], "pruned": d.base, "recovered": d.pruned,
+                                                  "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high,
+                                                  "docs": d.docs}
+    return out
 
 
 def perplexity_record(base, before, after, n_boot: int = 1000) -> dict:
@@ -128,9 +154,16 @@ def stage(session, result, progress: bool = True) -> None:
     cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
     done = recover_models(result.model, teacher, session.tokenizer, spec, evaluation=session.evaluation,
                           folders=(cache, cache and cache / TEACHER_CACHE),
-                          options=Options(session.checkpoints, dense, progress))
+                          options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe))
     result.model = done.model
     result.metrics["recovery"] = done.record
+
+
+def _tasks_of(recipe):
+    """The recipe's evaluation.tasks as a TaskSpec (None without tasks)."""
+    from pruner.evaluation import tasks
+
+    return tasks.spec_from_recipe(recipe.evaluation) if recipe.evaluation.tasks else None
 
 
 def pruned_model(run: runs.Run):
@@ -181,7 +214,7 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
         done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
                               folders=(run.folder / CACHE, tmp / TEACHER_CACHE),
                               options=Options(checkpoints, dense, progress and distributed.is_main()),
-                              identity=ident)
+                              identity=ident, tasks=_tasks_of(run.recipe))
         metrics = {**run.metrics, "recovery": done.record}
         if distributed.is_main():
             write_run(run, recipe, done.model, tokenizer, metrics, tmp)

@@ -301,6 +301,13 @@ def recovery_text(metrics: dict) -> str | None:
                   "|---|---|---|---|---|---|",
                   f"| perplexity | {p['base']:.2f} | {p['pruned']:.2f} | {p['recovered']:.2f} | {p['delta']:+.2f} "
                   f"[{p['ci_low']:+.2f}, {p['ci_high']:+.2f}] | {R} |", ""]
+    if r.get("tasks"):
+        lines += ["| task | metric | base | pruned | recovered | change by recovery [95% CI] | documents |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {task} | {metric} | {d['base']:.4f} | {d['pruned']:.4f} | {d['recovered']:.4f} | "
+                  f"{d['delta']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}] | {d['docs']} |"
+                  for task, metrics in r["tasks"].items() for metric, d in metrics.items()]
+        lines += [""]
     if r.get("note"):
         lines += [r["note"], ""]
     return "\n".join(lines)
