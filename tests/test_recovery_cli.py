@@ -70,14 +70,43 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
     assert loading.load_model(str(out / "model")).config.num_attention_heads == 4  # plain from_pretrained too
 
 
-def test_recovery_scores_the_runs_downstream_tasks_before_and_after(llama_run, tmp_path):
+def _with_recipe(run: Path, folder: Path, **sections) -> Path:
     import yaml
 
-    run = tmp_path / "run"
-    shutil.copytree(llama_run, run)
-    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
-    recipe["evaluation"].update(tasks=["shakespeare_cloze"], task_limit=16)
-    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    shutil.copytree(run, folder)
+    recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+    for section, values in sections.items():
+        recipe[section].update(values)
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return folder
+
+
+def test_a_cached_teacher_read_block_by_block_fills_the_cache_of_the_whole_one(llama_run, tmp_path, capsys,
+                                                                            monkeypatch):
+    from pruner.runs import recovering
+
+    cached = [*SMALL, "--data", "shakespeare:train", "--set", "recovery.teacher=cached"]
+    records = {}
+    for onload in ("all", "sequential"):
+        run = _with_recipe(llama_run, tmp_path / onload, capture={"onload": onload})
+        if onload == "sequential":  # the teacher is never loaded whole
+            monkeypatch.setattr(recovering.loading, "load_base", lambda *a, **k: pytest.fail("teacher loaded whole"))
+        assert main(["recover", str(run), "--out", str(tmp_path / f"rec-{onload}"), *cached]) == 0
+        records[onload] = json.loads((tmp_path / f"rec-{onload}" / "metrics.json").read_text())["recovery"]
+    a, b = records["all"], records["sequential"]
+    assert b["validation_kl_pruned"] == pytest.approx(a["validation_kl_pruned"], rel=1e-5)
+    assert b["perplexity"]["base"] == pytest.approx(a["perplexity"]["base"], rel=1e-5)  # the base, a block at a time
+    assert b["validation_kl_best"] == pytest.approx(a["validation_kl_best"], rel=1e-3)
+    capsys.readouterr()
+    run = tmp_path / "sequential"
+    assert main(["recover", str(run), "--out", str(tmp_path / "gen"), *SMALL, "--set", "recovery.teacher=cached"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "generated samples text from the whole teacher" in err[0]
+    assert not (tmp_path / "gen").exists()
+
+
+def test_recovery_scores_the_runs_downstream_tasks_before_and_after(llama_run, tmp_path):
+    run = _with_recipe(llama_run, tmp_path / "run", evaluation={"tasks": ["shakespeare_cloze"], "task_limit": 16})
     assert main(["recover", str(run), "--out", str(tmp_path / "rec"), *SMALL]) == 0
     acc = json.loads((tmp_path / "rec" / "metrics.json").read_text())["recovery"]["tasks"]["shakespeare_cloze"]["acc"]
     assert acc["docs"] == 16 and all(0 <= acc[k] <= 1 for k in ("base", "pruned", "recovered"))

@@ -7,7 +7,9 @@ from the teacher's tail with their log-probabilities (`loss.tail_samples`, seede
 memory-mapped .npy files: 8k + 4 + 8m bytes a token (k = 64, m = 8: 580 B, 2.4 GB for 4M
 tokens) instead of the vocabulary's 4V. With the samples the loss (and the guard's
 validation KL) estimates the full-vocabulary KL without bias; m = 0 keeps the collapsed
-lower bound. Training then holds only the student; the teacher is released after
+lower bound. A teacher that does not fit in memory runs its pass one block at a time from
+its checkpoint (`onloader`: every batch through block 0, then block 1, ..., as calibration
+does), and is never whole in memory. Training then holds only the student; the teacher is released after
 the pass. The disk is checked for room before the pass, and a complete cache (its
 `done` marker) is reused by a resumed recovery.
 """
@@ -15,6 +17,7 @@ the pass. The disk is checked for room before the pass, and a complete cache (it
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,30 @@ from pruner.recovery.data import RecoveryError
 def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) ids and mask -> (B, T, V) logits."""
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def teacher_logits(teacher, windows: data.TokenBatch, batch_size: int, onloader=None, device="cpu",
+                   progress: bool = False) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(rows, (b, T, V) logits) for every batch of `windows`: the whole teacher, or with `onloader` one block at a
+    time (its hidden states kept between blocks; the model's own code after the blocks gives the logits)."""
+    n = len(windows.input_ids)
+    parts = [slice(i, i + batch_size) for i in range(0, n, batch_size)]
+    bar = tqdm(parts, desc="teacher top-k cache", unit="batch", disable=not progress)
+    if onloader is None:
+        for sl in bar:
+            yield sl, forward_logits(teacher, windows.input_ids[sl], windows.attention_mask[sl])
+        return
+    from pruner.core import arch
+    from pruner.core.layerwise import first_block_calls, replayed, run_blocks, spilled
+
+    calls = first_block_calls(teacher, [(windows.input_ids[sl], windows.attention_mask[sl]) for sl in parts], device)
+    with spilled(onloader) as spill:
+        run_blocks(onloader, calls, len(arch.blocks(teacher)), device, spill=spill)
+        with replayed(teacher) as replay:
+            for sl, call in zip(bar, calls):
+                replay.hidden = call.hidden
+                yield sl, forward_logits(teacher, windows.input_ids[sl].to(device),
+                                         windows.attention_mask[sl].to(device)).cpu()
 
 
 class Resident:
@@ -86,9 +113,10 @@ class Cached:
     @staticmethod
     @torch.no_grad()
     def build(teacher, windows: data.TokenBatch, folder: Path, k: int, temperature: float = 1.0,
-              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0) -> "Cached":
+              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0, onloader=None,
+              device="cpu") -> "Cached":
         """One pass of the teacher over `windows` (N, T) into `folder` (`m` tail samples a token, drawn from a
-        generator seeded by `seed`); reused when already complete."""
+        generator seeded by `seed`; with `onloader`, a block at a time); reused when already complete."""
         folder = Path(folder)
         if (folder / "done").exists():
             return Cached(folder, temperature)
@@ -100,9 +128,7 @@ class Cached:
             arrays.update(sid=(np.int32, (n, T, m)), slp=(np.float32, (n, T, m)))
         out = {name: np.lib.format.open_memmap(folder / f"{name}.npy", "w+", *kind) for name, kind in arrays.items()}
         g = torch.Generator().manual_seed(seed)
-        for i in tqdm(range(0, n, batch_size), desc="teacher top-k cache", unit="batch", disable=not progress):
-            sl = slice(i, i + batch_size)
-            logits = forward_logits(teacher, windows.input_ids[sl], windows.attention_mask[sl])
+        for sl, logits in teacher_logits(teacher, windows, batch_size, onloader, device, progress):
             got = dict(zip(("top", "idx", "tail"), loss.topk_targets(logits, k, temperature)))
             if m:
                 got.update(zip(("sid", "slp"), loss.tail_samples(logits, got["idx"], m, g, temperature)))

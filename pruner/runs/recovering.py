@@ -30,6 +30,7 @@ from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
 from pruner.runs import folders as runs
 from pruner.runs import provenance
+from pruner.runs.context import sequential_folder
 
 CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
 TEACHER_CACHE = "teacher-cache"  # in the partial output folder while it trains: the top-k cache
@@ -54,27 +55,45 @@ def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None)
     return n_train, n_val
 
 
-def _nll(model, windows: EvalWindows | None, batch_size: int = 8):
-    return None if windows is None else window_scores(model, windows, batch_size, causal=True)[:2]
+def _nll(model, windows: EvalWindows | None, batch_size: int = 8, onloader=None):
+    if windows is None:
+        return None
+    device = next(model.parameters()).device if onloader is None else "cpu"
+    return window_scores(model, windows, batch_size, causal=True, onloader=onloader, device=device)[:2]
 
 
-def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool):
+def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool,
+             onloader=None):
     if spec.teacher == "resident":
         return rteacher.Resident(teacher, spec.temperature)
     every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
                             torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
     folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
     return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress,
-                                 spec.tail_samples, spec.seed)
+                                 spec.tail_samples, spec.seed, onloader)
+
+
+def check_layerwise_teacher(spec: RecoverySpec, texts=None) -> None:
+    """A teacher read a block at a time can fill the cache, not sample text nor run beside the student."""
+    if spec.teacher != "cached":
+        raise rdata.RecoveryError("a teacher read a block at a time (capture.onload: sequential) cannot run beside "
+                                  "the student: set recovery.teacher: cached (one pass a block at a time)")
+    if spec.data == GENERATED and texts is None:
+        raise rdata.RecoveryError("recovery.data: generated samples text from the whole teacher, which this run "
+                                  "reads a block at a time (capture.onload: sequential); name a data source "
+                                  "(e.g. shakespeare:train) or set capture.onload: all")
 
 
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
                    folders: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
-                   identity: dict | None = None, texts: list[str] | None = None, tasks=None) -> Recovered:
+                   identity: dict | None = None, texts: list[str] | None = None, tasks=None,
+                   teacher_onloader=None) -> Recovered:
     """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
     `evaluation` when given, and the downstream `tasks` (a `TaskSpec`) of the base, pruned and recovered models
     when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
-    recovery text given in memory (instead of `spec.data`)."""
+    recovery text given in memory (instead of `spec.data`). `teacher_onloader`: the teacher's blocks stay in its
+    checkpoint and its passes (the cache, the base perplexity) run a block at a time (`cached` only; the base's
+    task accuracy, which needs the whole model, is then not measured)."""
     options = options or Options()
     if not runtime.attends_causally(student):
         raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
@@ -83,17 +102,19 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
         raise rdata.RecoveryError(f"the teacher's vocabulary ({teacher.config.vocab_size}) is not the student's "
                                   f"({student.config.vocab_size}): not the model it was pruned from")
     n_train, n_val = check(spec)
+    if teacher_onloader is not None:
+        check_layerwise_teacher(spec, texts)
     if spec.data == GENERATED and texts is None:
         windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, folders[0], identity or {},
                                   options.progress)
     else:
         windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
-    base, before = _nll(teacher, evaluation), _nll(student, evaluation)
-    task_base, task_before = (None, None) if not tasks else (_task_scores(tasks, teacher, tokenizer),
-                                                             _task_scores(tasks, student, tokenizer))
+    base, before = _nll(teacher, evaluation, onloader=teacher_onloader), _nll(student, evaluation)
+    task_base = None if not tasks or teacher_onloader is not None else _task_scores(tasks, teacher, tokenizer)
+    task_before = _task_scores(tasks, student, tokenizer) if tasks else None
     tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
     try:
-        targets = _targets(spec, teacher, windows, tmp, options.progress)
+        targets = _targets(spec, teacher, windows, tmp, options.progress, teacher_onloader)
         done = train(student, targets, windows, spec, options)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,16 +134,18 @@ def _task_scores(tasks, model, tokenizer) -> dict:
     return downstream.Downstream(model, tokenizer, tasks, causal=True).scores()
 
 
-def tasks_record(base: dict, pruned: dict, recovered: dict, seed: int = 0, n_boot: int = 1000) -> dict:
+def tasks_record(base: dict | None, pruned: dict, recovered: dict, seed: int = 0, n_boot: int = 1000) -> dict:
     """{task: {metric: {base, pruned, recovered, delta, ci_low, ci_high, docs}}}: the accuracy of the three models
-    on the same documents, and the paired change recovery made (recovered - pruned) with its bootstrap CI."""
+    on the same documents (base None where it was not measured), and the paired change recovery made
+    (recovered - pruned) with its bootstrap CI."""
     from pruner.evaluation.accuracy import paired_accuracy
 
     out: dict[str, dict[str, dict]] = {}
     for name, p in pruned.items():
-        of_base = {d.metric: d.base for d in paired_accuracy(base[name], p, n_boot=1, seed=seed)}
+        of_base = {} if base is None else \
+            {d.metric: d.base for d in paired_accuracy(base[name], p, n_boot=1, seed=seed)}
         for d in paired_accuracy(p, recovered[name], n_boot=n_boot, seed=seed):
-            out.setdefault(name, {})[d.metric] = {"base": of_base[d.metric], "pruned": d.base, "recovered": d.pruned,
+            out.setdefault(name, {})[d.metric] = {"base": of_base.get(d.metric), "pruned": d.base, "recovered": d.pruned,
                                                   "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high,
                                                   "docs": d.docs}
     return out
@@ -157,6 +180,16 @@ def stage(session, result, progress: bool = True) -> None:
                           options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe))
     result.model = done.model
     result.metrics["recovery"] = done.record
+
+
+def _teacher(recipe, folder: Path | None):
+    """(teacher, None), or -- its checkpoint `folder` read a block at a time -- (its skeleton, the onloader)."""
+    if folder is None:
+        return loading.load_base(recipe.model), None
+    from pruner.checkpoints.lazy import lazy_model
+
+    lazy = lazy_model(folder, recipe.model.dtype, distributed.local_device(recipe.model.device))
+    return lazy.model, lazy
 
 
 def _tasks_of(recipe):
@@ -201,9 +234,12 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
         raise rdata.RecoveryError(str(e).split("; pass --allow-changed-base")[0] + "; recovery distils from the "
                                   "model the run was pruned from, so the teacher would not match") from None
     recipe = run.recipe.model_copy(update={"recovery": spec})
+    layerwise = sequential_folder(run.recipe) if spec.teacher == "cached" else None
+    if layerwise is not None:
+        check_layerwise_teacher(spec)
     with runs.run_folder(Path(out), overwrite, resume_run) as tmp:
         student, tokenizer = pruned_model(run)
-        teacher = loading.load_base(run.recipe.model)
+        teacher, onloader = _teacher(run.recipe, layerwise)
         ident = provenance.base_identity(run.recipe.model)
         fp = resume.fingerprint("recover", recipe.model_dump(mode="json"), {"run": str(run.folder)}, ident)
         checkpoints = resume.open_checkpoints(tmp, fp, None, None)
@@ -214,7 +250,7 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
         done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
                               folders=(run.folder / CACHE, tmp / TEACHER_CACHE),
                               options=Options(checkpoints, dense, progress and distributed.is_main()),
-                              identity=ident, tasks=_tasks_of(run.recipe))
+                              identity=ident, tasks=_tasks_of(run.recipe), teacher_onloader=onloader)
         metrics = {**run.metrics, "recovery": done.record}
         if distributed.is_main():
             write_run(run, recipe, done.model, tokenizer, metrics, tmp)

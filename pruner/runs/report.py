@@ -304,7 +304,7 @@ def recovery_text(metrics: dict) -> str | None:
     if r.get("tasks"):
         lines += ["| task | metric | base | pruned | recovered | change by recovery [95% CI] | documents |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [f"| {task} | {metric} | {d['base']:.4f} | {d['pruned']:.4f} | {d['recovered']:.4f} | "
+        lines += [f"| {task} | {metric} | {'n/a' if d['base'] is None else format(d['base'], '.4f')} | {d['pruned']:.4f} | {d['recovered']:.4f} | "
                   f"{d['delta']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}] | {d['docs']} |"
                   for task, metrics in r["tasks"].items() for metric, d in metrics.items()]
         lines += [""]
