@@ -1,7 +1,8 @@
 """Recover a pruned shipped Llama in this process (or in each of several under torchrun) and save the weights.
 
     python tests/recovery_probe.py OUT.pt
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/recovery_probe.py OUT.pt
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/recovery_probe.py OUT.pt [--fsdp]
+        [--checkpoints DIR]
 
 tests/test_distributed_recovery.py compares the two (docs/recovery.md: several processes)."""
 
@@ -18,7 +19,7 @@ from pruner.core import assets, distributed
 from pruner.pruning import surgery
 
 
-def main(out: str) -> None:
+def main(out: str, fsdp: bool = False, checkpoints: str | None = None) -> None:
     torch.set_num_threads(1)
     teacher = loading.load_model("llama-shakespeare")
     tokenizer = loading.load_tokenizer("llama-shakespeare")
@@ -27,11 +28,14 @@ def main(out: str) -> None:
     play = sorted(assets.shakespeare("calibration").glob("*.txt"))[0]  # read directly: no `datasets` start-up
     texts = [play.read_text()[:60000]]
     done = pruner.recover(student, teacher, tokenizer, texts, tokens=2048, batch_size=4, length=64,
-                          eval_every=512, progress=False)
+                          eval_every=512, save_every=512, fsdp=fsdp, checkpoint_dir=checkpoints, progress=False)
     if distributed.is_main():
         torch.save({"world": distributed.world_size(), "weights": done.model.state_dict(),
-                    "history": done.record["validation_history"]}, out)
+                    "history": done.record["validation_history"],
+                    "steps_run": done.record["steps_run"]}, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[0], fsdp="--fsdp" in args, checkpoints=args[args.index("--checkpoints") + 1] if "--checkpoints" in args
+         else None)

@@ -25,13 +25,14 @@ ROOT = HERE.parent
 PROBE = HERE / "dist_probe.py"
 
 
-def launch(args: list[str], procs: int) -> None:
+def launch(args: list[str], procs: int, env: dict | None = None, ok: bool = True) -> None:
+    """Run a probe in `procs` processes (torchrun beyond one); it must succeed (`ok`) or fail (a test's kill)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     cmd = [sys.executable, *args] if procs == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
 
 
 SECOND = ("/oo", "/uu", "/ww", "/joint")

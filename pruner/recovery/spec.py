@@ -48,6 +48,8 @@ class RecoverySpec(BaseModel):
     eval_every: int | None = Field(None, ge=1, description="tokens between validation passes (default: 8 per run)")
     save_every: int | None = Field(None, ge=1, description="tokens between checkpoints for --resume (default: "
                                                            "the validation cadence)")
+    fsdp: bool = Field(False, description="several processes shard the student's weights, gradients and AdamW state "
+                                          "(torch FSDP) instead of each holding all of it; full and attention")
     temperature_generate: float = Field(1.0, gt=0, description="generated data: sampling temperature")
     seed: int = 0
 
@@ -55,6 +57,9 @@ class RecoverySpec(BaseModel):
     def _method(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown recovery method {self.method!r}; valid: {', '.join(METHODS)}")
+        if self.fsdp and self.method == "lora":
+            raise ValueError("recovery.fsdp shards full and attention training; lora's adapters are small enough "
+                             "to replicate: set fsdp: false")
         return self
 
     def peak_lr(self, params: int) -> float:

@@ -9,7 +9,9 @@ data order, fixed by the seed, so a resumed recovery is the uninterrupted one.
 Several processes (`torchrun`, `accelerate launch`) split each batch's windows rank::world;
 each backpropagates its share of the batch's KL sum divided by the whole batch's token
 count, and the gradients are summed across processes: the gradient of one process on the
-whole batch, up to float summation order.
+whole batch, up to float summation order. With `recovery.fsdp` the student's training state is
+sharded over the processes instead of replicated (`sharding`): the same gradient, 1/N of the
+memory for weights, gradients and AdamW state.
 
 The guard: the validation KL is measured before the first step (the pruned model's), every
 `eval_every` tokens and at the end; the best weights are kept, and when no step improves
@@ -26,8 +28,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pruner.core import data, distributed, resume
-from pruner.recovery import loss, methods
-from pruner.recovery.data import Windows
+from pruner.recovery import loss, methods, sharding
+from pruner.recovery.data import RecoveryError, Windows
 from pruner.recovery.spec import RecoverySpec
 from pruner.recovery.teacher import forward_logits
 
@@ -70,14 +72,17 @@ def _all_sum(x: torch.Tensor) -> torch.Tensor:
 def batch_kl(model, targets, windows: data.TokenBatch, rows: torch.Tensor, spec: RecoverySpec, offset: int = 0):
     """This process's share of a batch: (KL sum [+ CE], real-token count) over `rows` of `windows`."""
     mine = _mine(rows)
-    b = data.TokenBatch(windows.input_ids[mine], windows.attention_mask[mine])
-    if not len(mine):
+    idle = not len(mine)
+    if idle and not sharding.active(spec):
         return torch.zeros(()), torch.zeros(())
+    if idle:  # FSDP: every process runs every forward; this one's row weighs nothing
+        mine = sharding.idle_rows(rows)
+    b = data.TokenBatch(windows.input_ids[mine], windows.attention_mask[mine])
     logits = forward_logits(model, b.input_ids, b.attention_mask)  # (b, T, V)
     kl, count = targets.kl(logits, mine + offset, b)
     if spec.ce_weight:
         kl = kl + spec.ce_weight * loss.next_token_ce(logits, b.input_ids, b.attention_mask)
-    return kl, count
+    return (kl * 0, torch.zeros(())) if idle else (kl, count)
 
 
 @torch.no_grad()
@@ -104,6 +109,7 @@ def _optimizer(model, spec: RecoverySpec, steps: int):
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
+    sharding.settle(model)  # sharded: the parameters as shards, as they are stepped and loaded
     return {n: p.detach().clone() for n, p in methods.trainable(model).items()}
 
 
@@ -118,10 +124,12 @@ def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpe
     """One optimizer step on the batch `rows`; returns its mean KL (over every process)."""
     kl, count = batch_kl(model, targets, windows.train, rows, spec)
     total = _all_sum(count.detach().clone().double()).clamp_min(1)
+    sharded = sharding.active(spec)
     if kl.requires_grad:  # a process without windows in this batch has nothing to backpropagate
-        (kl / total.float()).backward()
+        # FSDP averages the gradients over the processes; each loss is a share of the batch's mean: x N sums them
+        (kl / total.float() * (distributed.world_size() if sharded else 1)).backward()
     params = list(methods.trainable(model).values())
-    if distributed.world_size() > 1:
+    if distributed.world_size() > 1 and not sharded:
         for p in params:
             if p.grad is None:  # a process without windows in this batch
                 p.grad = torch.zeros_like(p)
@@ -134,8 +142,9 @@ def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpe
 
 
 def _state(model, opt, sched, k: int, guard: dict) -> dict:
-    return {"step": k, "weights": _weights(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "guard": guard}
+    """What a checkpoint holds (this process's shards as plain tensors when the student is sharded)."""
+    return sharding.to_local({"step": k, "weights": _weights(model), "optimizer": opt.state_dict(),
+                              "scheduler": sched.state_dict(), "guard": guard})
 
 
 def _resume(model, opt, sched, checkpoints: resume.Checkpoints) -> tuple[int, dict | None]:
@@ -143,8 +152,11 @@ def _resume(model, opt, sched, checkpoints: resume.Checkpoints) -> tuple[int, di
     saved = checkpoints.load(STAGE)
     if saved is None:
         return 0, None
-    _load_weights(model, saved["weights"])
-    opt.load_state_dict(saved["optimizer"])
+    params = methods.trainable(model)
+    as_params = lambda ws: {n: sharding.like(w, params[n]) for n, w in ws.items()}  # noqa: E731  (shards: DTensors)
+    _load_weights(model, as_params(saved["weights"]))
+    saved["guard"]["best_weights"] = as_params(saved["guard"]["best_weights"])
+    opt.load_state_dict(sharding.optimizer_state(saved["optimizer"], list(params.values())))
     sched.load_state_dict(saved["scheduler"])
     return saved["step"], saved["guard"]
 
@@ -161,6 +173,13 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
     options = options or Options()
     model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha)
+    plain = None
+    if sharding.active(spec):
+        if options.dense_heads:
+            raise RecoveryError("recovery.fsdp trains compact students (surgery.mode: remove); a dense (mask) "
+                                "student's pruned heads are kept at zero in whole weights: recover it without fsdp")
+        plain = sharding.skeleton(model)
+        sharding.shard(model)
     steps = len(windows.train) // spec.batch_size
     every, save_every = cadence(spec, steps)
     opt, sched = _optimizer(model, spec, steps)
@@ -188,6 +207,8 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     seconds = time.perf_counter() - t0
     improved = guard["best"] < guard["pruned"]
     _load_weights(model, guard["best_weights"])  # the best validation step (step 0: the pruned weights)
+    if plain is not None:
+        model = sharding.unsharded(model, plain)
     record = {"steps": steps, "steps_run": steps - start, "tokens": steps * spec.window_tokens,
               "validation_kl_pruned": guard["pruned"], "validation_kl_best": guard["best"],
               "best_step": guard["best_step"], "validation_history": guard["history"],
