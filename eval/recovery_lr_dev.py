@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recovery_study import ROOT, cli, run_folder  # noqa: E402
+from recovery_study import ROOT, cli, run_folder  # beside this script: python puts eval/ on the path
 
 
 def main() -> None:
