@@ -102,7 +102,7 @@ def _optimizer(model, spec: RecoverySpec, steps: int):
     from transformers import get_scheduler
 
     params = list(methods.trainable(model).values())
-    lr = spec.peak_lr(sum(p.numel() for p in model.parameters()))
+    lr = spec.peak_lr()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay, foreach=False)
     sched = get_scheduler(spec.schedule, opt, num_warmup_steps=int(spec.warmup * steps), num_training_steps=steps)
     return opt, sched
