@@ -55,10 +55,19 @@ def second_moment(o: Tensor, joint: Tensor, tokens: Tensor | float, intercept: b
     """
     n = float(tokens)
     mu = o.reshape(-1).double() / n
-    s = joint.double() / n  # in place from here: two (D, D) float64 matrices at most, not four
+    s = joint.double() / n  # in place from here: one (D, D) float64 matrix beside the sums, no other
     if intercept:
-        s.sub_(torch.outer(mu, mu))
-    return mu, s.add(s.t()).mul_(0.5)  # exact symmetry: the sums are symmetric up to rounding
+        s.addr_(mu, mu, alpha=-1)
+    return mu, symmetrize_(s)  # exact symmetry: the sums are symmetric up to rounding
+
+
+def symmetrize_(s: Tensor, rows: int = 256) -> Tensor:
+    """(S + S^T) / 2 in place, `rows` rows at a time: no second (D, D) matrix. Returns `s`."""
+    for i in range(0, s.shape[0], rows):
+        avg = (s[i:i + rows, i:] + s[i:, i:i + rows].t()).mul_(0.5)  # (rows, D - i)
+        s[i:i + rows, i:] = avg
+        s[i:, i:i + rows] = avg.t()
+    return s
 
 
 def ridge_lambda(s: Tensor, ridge: float) -> float:
@@ -120,21 +129,26 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     if len(K) == 0:
         raise RefitError(f"refit compensation of layer {layer}: every head is pruned, nothing is left to refit onto")
     lam = ridge_lambda(s, ridge)
-    delta_w = torch.zeros(w.shape, dtype=f64)
-    w_p = w[:, P].to(f64)  # (d_model, |P|)
     if len(P) == 0:
-        return Fit(delta_w, None if mu is None else torch.zeros(w.shape[0], dtype=f64), 0.0, 0.0, lam)
-    s_pp, s_kp = s[P][:, P], s[K][:, P]
+        return Fit(torch.zeros(w.shape, dtype=f64), None if mu is None else torch.zeros(w.shape[0], dtype=f64),
+                   0.0, 0.0, lam)
+    w_p = w[:, P].to(f64)  # (d_model, |P|)
+    s_pp, s_kp = s[P[:, None], P], s[K[:, None], P]  # the blocks alone, no (|P|, D) rows beside them
     pruned_energy = float(((w_p @ s_pp) * w_p).sum())
     if silent(mu, s) or math.isinf(ridge):  # nothing to regress, or no regression (mean compensation)
         a = torch.zeros(len(K), len(P), dtype=f64)
     else:
-        t_kk = s[K][:, K]
+        t_kk = s[K[:, None], K]
         t_kk.diagonal().add_(lam)  # S_KK + lam I without an identity matrix beside it
         a = _solve(t_kk, s_kp, layer, ridge)
-    delta_w[:, K] = w_p @ a.t()
-    unexplained = float(((w_p @ (s_pp - s_kp.t() @ a)) * w_p).sum())
+        del t_kk
+    s_pp.sub_(s_kp.t() @ a)  # the unexplained second moment, in place
+    del s_kp
+    unexplained = float(((w_p @ s_pp) * w_p).sum())
+    del s_pp
     delta_b = None if mu is None else w_p @ (mu[P] - a.t() @ mu[K])
+    delta_w = torch.zeros(w.shape, dtype=f64)
+    delta_w[:, K] = w_p @ a.t()
     return Fit(delta_w, delta_b, max(unexplained, 0.0), pruned_energy, lam)
 
 
@@ -307,11 +321,10 @@ def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -
     mu = (o.sum(0) - o[f]) / n_t if intercept else torch.zeros_like(o[f])
     if intercept:
         s_t.addr_(mu, mu, alpha=-1)  # rank-one updates in place: no (D, D) outer product beside them
-    s_t = s_t.add(s_t.t()).mul_(0.5)
     x_f = o[f] / n[f]
     c = joint[f] / n[f]  # E_f[(x - mu)(x - mu)^T]
     c.addr_(x_f, mu, alpha=-1).addr_(mu, x_f, alpha=-1).addr_(mu, mu)
-    return s_t, c.add(c.t()).mul_(0.5)
+    return symmetrize_(s_t), symmetrize_(c)
 
 
 def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,
@@ -334,12 +347,14 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
         if n[f] == 0:
             continue
         s_t, c = _fold_system(joint, o, n, f, intercept)
-        e, U = torch.linalg.eigh(s_t[K][:, K])
-        R = U.t() @ s_t[K][:, P]
-        v = ((U.t() @ c[K][:, P] @ G) * R).sum(-1)  # (|K|,)
-        ZH = (U.t() @ c[K][:, K] @ U) * (R @ G @ R.t()).t()  # (|K|, |K|)
         lam0 = float(torch.diagonal(s_t).mean().clamp_min(0))
-        base = float((G * c[P][:, P]).sum())
+        e, U = torch.linalg.eigh(s_t[K[:, None], K])  # the blocks alone, no (|K|, D) rows beside them
+        R = U.t() @ s_t[K[:, None], P]
+        del s_t
+        v = ((U.t() @ c[K[:, None], P] @ G) * R).sum(-1)  # (|K|,)
+        ZH = (U.t() @ c[K[:, None], K] @ U) * (R @ G @ R.t()).t()  # (|K|, |K|)
+        base = float((G * c[P[:, None], P]).sum())
+        del c
         for i, rel in enumerate(grid):
             lam = rel * lam0
             if math.isinf(lam):
@@ -350,7 +365,7 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
                 out[f, i] = math.inf
                 continue
             out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
-        del s_t, c, U, R, ZH  # not alive beside the next fold's
+        del U, R, ZH  # not alive beside the next fold's
     return out
 
 

@@ -53,9 +53,11 @@ MAPPED = "(memory-mapped"  # parts whose name holds this are file-backed on a CP
 CROSS_SQUARES = 2      # the cross energy: the covariance and one outer product (`scoring.cross_energy`)
 SYSTEM_SQUARES = 3     # the refit-aware scorer: S, S + lam I and its Cholesky factor while built, then the
 #                        inverse and one candidate border at a time (`refit.system`, `marginal_costs`)
-REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system and held-out moment with their
-#                        symmetric copies (`refit._fold_system`); then the fit: the covariance, the new columns
-#                        (float64, full width) and the kept/pruned blocks (`refit.fit_layer`)
+REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system and held-out moment, then their
+#                        kept/pruned blocks and eigenvectors (`refit.heldout_energies`); then the fit: the
+#                        covariance, its blocks and the new columns (float64, full width; `refit.fit_layer`).
+#                        Measured 3.57 and 3.50 at the 8B width (eval/bench_refit_memory.py; 3.80 and 4.57
+#                        before the blocks were indexed directly and the symmetrising done in place)
 LOGIT_COPIES = 3       # a slice of logits: the head's output, its float32 copy and the log-softmax
 
 
