@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from pruner.cli import main
 
@@ -130,6 +131,17 @@ def test_a_per_layer_run_recovers_into_a_per_layer_model(tmp_path):
     assert m["model_layout"] == "per-layer" and (out / "model" / "modeling_pruned_gpt2.py").exists()
     rec, pruned = pruner.load(out / "model"), pruner.load(run / "model")
     assert rec.config.num_attention_heads_per_layer == pruned.config.num_attention_heads_per_layer
+    # only the kept heads' projections trained (was: the per-layer student refused by the architecture adapter)
+    assert main(["recover", str(run), "--out", str(tmp_path / "att"), "--tokens", "1024", "--set",
+                 "recovery.batch_size=4", "--set", "recovery.length=64", "--set", "recovery.method=attention",
+                 "--set", "recovery.lr=1e-5"]) == 0
+    assert json.loads((tmp_path / "att" / "metrics.json").read_text())["recovery"]["kept"] == "recovered"
+    att = pruner.load(tmp_path / "att" / "model").state_dict()
+    changed = {k for k, v in pruned.state_dict().items() if not torch.equal(v, att[k])}
+    assert changed and all(".attn." in k for k in changed), changed
+    api = pruner.recover(pruner.load(run / "model"), "gpt2-shakespeare", data=["to be or not to be " * 400],
+                         tokens=512, batch_size=4, length=32, progress=False)  # a per-layer student in memory
+    assert api.record["steps"] == 4
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

@@ -95,14 +95,23 @@ def set_attr(module, path: str, value) -> None:
     setattr(reduce(getattr, parent, module), name, value)
 
 
+def is_per_layer(model) -> bool:
+    """Whether `model` is a pruner per-layer checkpoint's (layers keep different head counts)."""
+    return bool(getattr(model.config, "pruner_format", None))
+
+
+def names_adapter(model) -> Adapter:
+    """The adapter whose module names `model` uses -- also a pruner per-layer checkpoint's (`pruned_<family>`):
+    where its blocks and projections sit, which a layer-by-layer pass and recovery read; not its head counts."""
+    family = model.config.model_type.removeprefix("pruned_")
+    if is_per_layer(model) and family in ADAPTERS:
+        return ADAPTERS[family]
+    return adapter_for(model)
+
+
 def layers_path(model) -> str:
-    """Where the blocks sit under the base model -- also in a pruner per-layer checkpoint (`pruned_<family>`),
-    which a layer-by-layer pass reads back to check it."""
-    cfg = model.config
-    family = cfg.model_type.removeprefix("pruned_")
-    if getattr(cfg, "pruner_format", None) and family in ADAPTERS:
-        return ADAPTERS[family].layers
-    return adapter_for(model).layers
+    """Where the blocks sit under the base model -- also in a pruner per-layer checkpoint."""
+    return names_adapter(model).layers
 
 
 def blocks(model) -> list:

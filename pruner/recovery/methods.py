@@ -28,7 +28,7 @@ def _projections(model) -> list[str]:
 
 def _attention_prefixes(model) -> list[str]:
     """Module name prefixes of each block's attention projections (q, k, v or fused qkv, and the output)."""
-    ad = arch.adapter_for(model)
+    ad = arch.names_adapter(model)  # a per-layer student's names too
     own = [p for p in (ad.q, ad.k, ad.v, ad.qkv, ad.o_proj) if p]
     return [f"{b}.{p}." for b in _block_names(model) for p in own]
 
@@ -42,7 +42,7 @@ def prepare(model, method: str, dense_heads: dict[int, list[int]] | None = None,
 
         targets = _projections(model)
         if dense_heads:  # the output projection holds the pruned heads' zero columns: not adapted
-            o = {f"{b}.{arch.adapter_for(model).o_proj}" for b in _block_names(model)}
+            o = {f"{b}.{arch.names_adapter(model).o_proj}" for b in _block_names(model)}
             targets = [t for t in targets if t not in o]
         fan_in_fan_out = any(type(m).__name__ == "Conv1D" for m in model.modules())
         cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
@@ -83,7 +83,10 @@ def keep_pruned_zero(model, dense_heads: dict[int, list[int]] | None) -> None:
 @torch.no_grad()
 def zero_heads(model) -> dict[int, list[int]] | None:
     """The heads a dense (masked) model holds as all-zero output-projection columns: its pruned heads, read from
-    the weights when no plan is at hand (`pruner.recover` on a model object). None when there are none."""
+    the weights when no plan is at hand (`pruner.recover` on a model object). None when there are none (and for
+    a per-layer model, compact by construction)."""
+    if arch.is_per_layer(model):
+        return None
     hd = arch.geometry(model).head_dim
     found = {}
     for layer in range(len(arch.blocks(model))):
