@@ -296,3 +296,20 @@ def replayed(model) -> Iterator[_Replay]:
     finally:
         for i, b in enumerate(kept):
             layers[i] = b
+
+
+@contextmanager
+def blockwise(model, onloader: Onloader, batches: list[tuple[torch.Tensor, torch.Tensor]], device,
+              within: Callable[[int], AbstractContextManager] | None = None, progress=None
+              ) -> Iterator[tuple[list[BlockCall], _Replay]]:
+    """A whole-model forward of every (input_ids, attention_mask) batch, a block at a time: every batch through
+    block 0, then block 1, ... (each under `within(layer)`; `progress` closed after the last block), then the
+    model with its blocks replayed. Yields (the calls, the replay): `replay.hidden = call.hidden` and a forward
+    runs the model's own code after the blocks on that batch's last hidden states."""
+    calls = first_block_calls(model, batches, device)
+    with spilled(onloader) as spill:
+        run_blocks(onloader, calls, len(arch.blocks(model)), device, progress=progress, within=within, spill=spill)
+        if progress is not None:
+            progress.close()
+        with replayed(model) as replay:
+            yield calls, replay

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from pruner.core import arch, distributed
 from pruner.core.bootstrap import percentile_interval, resamples
 from pruner.core.data import DataError, bos_token_id, line_samples, mask_tokens
-from pruner.core.layerwise import Onloader, first_block_calls, replayed, run_blocks, spilled
+from pruner.core.layerwise import Onloader, blockwise
 from pruner.core.runtime import forward
 
 
@@ -121,18 +121,13 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
         for idx in (tqdm(parts, desc="perplexity", unit="batch") if progress else parts):
             _score(model, windows, idx, causal, pool, nll, count, emb)
     else:
-        calls = first_block_calls(model, [(windows.input_ids[idx], windows.attention_mask[idx]) for idx in parts],
-                                  device)
-        n_layers = len(arch.blocks(model))
-        bar = tqdm(total=n_layers, desc="perplexity (layer by layer)", unit="layer") if progress else None
-        with spilled(onloader) as spill:  # the blocks first, then (replayed) the model's code after them
-            run_blocks(onloader, calls, n_layers, device, progress=bar, within=within, spill=spill)
-            if bar is not None:
-                bar.close()
-            with replayed(model) as replay:
-                for idx, call in zip(parts, calls):
-                    replay.hidden = call.hidden
-                    _score(model, windows, idx, causal, pool, nll, count, emb)
+        bar = tqdm(total=len(arch.blocks(model)), desc="perplexity (layer by layer)", unit="layer") \
+            if progress else None
+        batches = [(windows.input_ids[idx], windows.attention_mask[idx]) for idx in parts]
+        with blockwise(model, onloader, batches, device, within, bar) as (calls, replay):
+            for idx, call in zip(parts, calls):
+                replay.hidden = call.hidden
+                _score(model, windows, idx, causal, pool, nll, count, emb)
     cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
     n = len(windows)
     return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),

@@ -34,10 +34,11 @@ def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
 
-def teacher_logits(teacher, windows: data.TokenBatch, batch_size: int, onloader=None, device="cpu",
+def teacher_logits(teacher, windows: data.TokenBatch, batch_size: int, onloader=None,
                    progress: bool = False) -> Iterator[tuple[slice, torch.Tensor]]:
     """(rows, (b, T, V) logits) for every batch of `windows`: the whole teacher, or with `onloader` one block at a
-    time (its hidden states kept between blocks; the model's own code after the blocks gives the logits)."""
+    time on the onloader's device (its hidden states kept between blocks; the model's own code after the blocks
+    gives the logits, returned on the CPU)."""
     n = len(windows.input_ids)
     parts = [slice(i, i + batch_size) for i in range(0, n, batch_size)]
     bar = tqdm(parts, desc="teacher top-k cache", unit="batch", disable=not progress)
@@ -45,17 +46,15 @@ def teacher_logits(teacher, windows: data.TokenBatch, batch_size: int, onloader=
         for sl in bar:
             yield sl, forward_logits(teacher, windows.input_ids[sl], windows.attention_mask[sl])
         return
-    from pruner.core import arch
-    from pruner.core.layerwise import first_block_calls, replayed, run_blocks, spilled
+    from pruner.core.layerwise import blockwise
 
-    calls = first_block_calls(teacher, [(windows.input_ids[sl], windows.attention_mask[sl]) for sl in parts], device)
-    with spilled(onloader) as spill:
-        run_blocks(onloader, calls, len(arch.blocks(teacher)), device, spill=spill)
-        with replayed(teacher) as replay:
-            for sl, call in zip(bar, calls):
-                replay.hidden = call.hidden
-                yield sl, forward_logits(teacher, windows.input_ids[sl].to(device),
-                                         windows.attention_mask[sl].to(device)).cpu()
+    device = onloader.device
+    with blockwise(teacher, onloader, [(windows.input_ids[sl], windows.attention_mask[sl]) for sl in parts],
+                   device) as (calls, replay):
+        for sl, call in zip(bar, calls):
+            replay.hidden = call.hidden
+            yield sl, forward_logits(teacher, windows.input_ids[sl].to(device),
+                                     windows.attention_mask[sl].to(device)).cpu()
 
 
 class Resident:
@@ -113,8 +112,7 @@ class Cached:
     @staticmethod
     @torch.no_grad()
     def build(teacher, windows: data.TokenBatch, folder: Path, k: int, temperature: float = 1.0,
-              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0, onloader=None,
-              device="cpu") -> "Cached":
+              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0, onloader=None) -> "Cached":
         """One pass of the teacher over `windows` (N, T) into `folder` (`m` tail samples a token, drawn from a
         generator seeded by `seed`; with `onloader`, a block at a time); reused when already complete."""
         folder = Path(folder)
@@ -128,7 +126,7 @@ class Cached:
             arrays.update(sid=(np.int32, (n, T, m)), slp=(np.float32, (n, T, m)))
         out = {name: np.lib.format.open_memmap(folder / f"{name}.npy", "w+", *kind) for name, kind in arrays.items()}
         g = torch.Generator().manual_seed(seed)
-        for sl, logits in teacher_logits(teacher, windows, batch_size, onloader, device, progress):
+        for sl, logits in teacher_logits(teacher, windows, batch_size, onloader, progress):
             got = dict(zip(("top", "idx", "tail"), loss.topk_targets(logits, k, temperature)))
             if m:
                 got.update(zip(("sid", "slp"), loss.tail_samples(logits, got["idx"], m, g, temperature)))

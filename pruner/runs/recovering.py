@@ -58,8 +58,8 @@ def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None)
 def _nll(model, windows: EvalWindows | None, batch_size: int = 8, onloader=None):
     if windows is None:
         return None
-    device = next(model.parameters()).device if onloader is None else "cpu"
-    return window_scores(model, windows, batch_size, causal=True, onloader=onloader, device=device)[:2]
+    return window_scores(model, windows, batch_size, causal=True, onloader=onloader,
+                         device="cpu" if onloader is None else onloader.device)[:2]
 
 
 def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool,
