@@ -12,7 +12,8 @@ reduce-scatters its gradients. What pruner adds is only its own bookkeeping:
 - every process runs every forward, even one whose share of a batch is empty (FSDP's
   collectives): `idle_rows` gives it a row to run at zero weight;
 - checkpoints for `--resume`: each process saves its own shards as plain tensors
-  (`to_local`) and puts them back into the sharded parameters and optimizer state (`restore`);
+  (`to_local`) and puts them back into the sharded parameters and optimizer state (`like`,
+  `optimizer_state`); `settle` reshards first what a forward without backward left gathered;
 - the plain model at the end: a skeleton (the model's modules with meta-device parameters, made
   before sharding, no memory) receives the gathered full weights (`unsharded`), so saving,
   evaluation and the reload check see an ordinary model.

@@ -73,12 +73,10 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
                                  spec.tail_samples, spec.seed, onloader)
 
 
-def check_layerwise_teacher(spec: RecoverySpec, texts=None) -> None:
-    """A teacher read a block at a time can fill the cache, not sample text nor run beside the student."""
-    if spec.teacher != "cached":
-        raise rdata.RecoveryError("a teacher read a block at a time (capture.onload: sequential) cannot run beside "
-                                  "the student: set recovery.teacher: cached (one pass a block at a time)")
-    if spec.data == GENERATED and texts is None:
+def check_layerwise_teacher(spec: RecoverySpec) -> None:
+    """A teacher read a block at a time (always a `cached` one: a resident teacher is loaded whole) can fill the
+    cache, not sample text."""
+    if spec.data == GENERATED:
         raise rdata.RecoveryError("recovery.data: generated samples text from the whole teacher, which this run "
                                   "reads a block at a time (capture.onload: sequential); name a data source "
                                   "(e.g. shakespeare:train) or set capture.onload: all")
@@ -102,8 +100,6 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
         raise rdata.RecoveryError(f"the teacher's vocabulary ({teacher.config.vocab_size}) is not the student's "
                                   f"({student.config.vocab_size}): not the model it was pruned from")
     n_train, n_val = check(spec)
-    if teacher_onloader is not None:
-        check_layerwise_teacher(spec, texts)
     if spec.data == GENERATED and texts is None:
         windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, folders[0], identity or {},
                                   options.progress)
