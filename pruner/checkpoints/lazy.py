@@ -19,6 +19,7 @@ import torch
 from pruner.checkpoints import loading
 from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.core import arch
+from pruner.core.host_memory import release_freed
 
 
 def saved_names(model, names: list[str]) -> list[str]:
@@ -141,6 +142,7 @@ class LazyBlocks:
 
     def offload(self, layer: int) -> None:
         arch.blocks(self.model)[layer].to("meta")
+        release_freed()  # its buffers back to the system, not kept by the allocator (pruner.core.host_memory)
 
 
 def lazy_model(folder: str | Path, dtype: str = "float32", device: str = "cpu") -> LazyBlocks:

@@ -1,0 +1,92 @@
+"""Recovery settings compared on development text only: the damage each recovers on the two domains' development
+windows, never on their evaluation windows.
+
+    python eval/recovery_dev.py MODEL SPARSITY SETTING [SETTING ...] [--out eval/results/recovery]
+
+A SETTING is TOKENS[,KEY=VALUE...] over the `recovery:` section, e.g. `131072`, `131072,data=shakespeare:train`,
+`131072,lr=3e-5`, `131072,temperature_generate=0.7`. The run is the one eval/recovery_study.py prunes (default
+scorer refit-energy, refit, remove); each setting is a `pruner recover RUN --tokens TOKENS --set recovery.KEY=VALUE`
+in its own process. Development text: `python-docs:dev` (the docstrings' development split) and
+`shakespeare:calibration` (the plays' windows the run calibrated on: the plays have no development split, and
+recovery is never given them). For each, the damage recovered R = (NLL_pruned - NLL_recovered) /
+(NLL_pruned - NLL_base) on 64 windows of 128 tokens. Appends one JSON line per setting to OUT/dev.jsonl and
+prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from recovery_study import ROOT, cli, nll, run_folder  # beside this script: python puts eval/ on the path
+
+DEV = ("shakespeare:calibration", "python-docs:dev")
+
+
+def dev_reference(run: Path, model: str) -> dict:
+    """Base and pruned NLLs on the development text, computed once per run."""
+    path = run / "dev-reference.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    import pruner
+    from pruner.checkpoints import loading
+
+    tok = loading.load_tokenizer(model)
+    base, pruned = loading.load_model(model), pruner.load(run / "model").float()
+    ref = {d: {"base": nll(base, tok, d), "pruned": nll(pruned, tok, d)} for d in DEV}
+    path.write_text(json.dumps(ref, indent=1))
+    return ref
+
+
+def one(out: Path, model: str, sparsity: str, setting: str) -> dict:
+    tokens, *pairs = setting.split(",")
+    run = run_folder(out, model, sparsity)
+    ref = dev_reference(run, model)
+    rec = out / "dev" / f"{model}-{sparsity}-{setting.replace(',', '_').replace('=', '-').replace(':', '-')}"
+    sets = [x for p in pairs for x in ("--set", f"recovery.{p}")]
+    wall, _ = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, *sets])
+    import pruner
+    from pruner.checkpoints import loading
+
+    m = json.loads((rec / "metrics.json").read_text())["recovery"]
+    recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
+    row = {"model": model, "sparsity": float(sparsity), "setting": setting, "tokens": int(tokens),
+           "kept": m["kept"], "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
+           "best_step": m["best_step"], "steps": m["steps"], "tokens_per_second": m["tokens_per_second"],
+           "wall_s": round(wall, 1)}
+    for d in DEV:
+        after, b, p = nll(recovered, tok, d), ref[d]["base"], ref[d]["pruned"]
+        row[d] = {"ppl_base": math.exp(b), "ppl_pruned": math.exp(p), "ppl_recovered": math.exp(after),
+                  "R": (p - after) / (p - b) if p > b else None}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("sparsity")
+    ap.add_argument("settings", nargs="+")
+    ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "recovery"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    print("| setting | validation KL pruned / best (step of steps) | kept | "
+          "ppl plays-dev base / pruned / recovered | R | ppl docs-dev base / pruned / recovered | R | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting in args.settings:
+        r = one(out, args.model, args.sparsity, setting)
+        with open(out / "dev.jsonl", "a") as f:
+            f.write(json.dumps(r) + "\n")
+        cells = []
+        for d in DEV:
+            x = r[d]
+            cells += [f"{x['ppl_base']:.1f} / {x['ppl_pruned']:.1f} / {x['ppl_recovered']:.1f}",
+                      "n/a" if x["R"] is None else f"{x['R']:.2f}"]
+        v = r["validation_kl"]
+        print(f"| {setting} | {v[0]:.4f} / {v[1]:.4f} ({r['best_step']} of {r['steps']}) | {r['kept']} | "
+              f"{' | '.join(cells)} | {r['wall_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
