@@ -19,6 +19,7 @@ import torch
 from pruner.attention import moments
 from pruner.attention.sums import HeadStats, LayerStats, finalize
 from pruner.core import arch, precision
+from pruner.core.host_memory import release_freed
 from pruner.pruning.compensation import compensate
 from pruner.pruning.curves import CurveKey, Removal, prefix
 from pruner.pruning.scoring import ScoringInputs, cross_energy, get_scorer
@@ -149,10 +150,12 @@ class LayerFinisher:
     def finish(self, layer: int, sums: LayerStats, residual: torch.Tensor | None) -> LayerStats:
         """Curves and local compensations of `layer` from its whole sums (its block in memory); returns the sums
         without second moments and folds. `residual`: the layer's mean squared residual norm R_l."""
+        release_freed()  # the capture's per-batch buffers, freed but kept by the allocator, before the curves' work
         stats = finalize([sums])
         if residual is not None:
             stats = replace(stats, residual=residual.reshape(1).double())
         self.add(layer, stats)
+        release_freed()  # and the curves' work, before the refit's
         for local in self.request.local:
             heads = local.heads(self.curves[local.key][layer], layer)
             if not heads:

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pruner.core.host_memory import release_freed
+
 Tensor = torch.Tensor
 MAX_CONDITION = 1e12  # beyond this the solve loses more than 4 of float64's 16 digits
 
@@ -147,9 +149,21 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
     unexplained = float(((w_p @ s_pp) * w_p).sum())
     del s_pp
     delta_b = None if mu is None else w_p @ (mu[P] - a.t() @ mu[K])
-    delta_w = torch.zeros(w.shape, dtype=f64)
-    delta_w[:, K] = w_p @ a.t()
-    return Fit(delta_w, delta_b, max(unexplained, 0.0), pruned_energy, lam)
+    return Fit(_new_columns(w.shape, K, w_p, a), delta_b, max(unexplained, 0.0), pruned_energy, lam)
+
+
+def _new_columns(shape: tuple[int, int], K: Tensor, w_p: Tensor, a: Tensor) -> Tensor:
+    """delta_W (d_model, D) float64: W_P A^T in the kept channels K, zero elsewhere. Written run by run of
+    consecutive kept channels (a kept head's d_head columns, or several heads') into column slices of the result:
+    no (d_model, |K|) product beside it, and no advanced-indexing copy of one (each was 64 MiB at the 8B width)."""
+    delta_w = torch.zeros(shape, dtype=torch.float64)
+    k = K.tolist()
+    ends = [i + 1 for i in range(len(k)) if i + 1 == len(k) or k[i + 1] != k[i] + 1]  # a run ends after each
+    start = 0
+    for end in ends:
+        delta_w[:, k[start]:k[end - 1] + 1] = w_p @ a[start:end].t()  # (d_model, run)
+        start = end
+    return delta_w
 
 
 def _solve(t_kk: Tensor, s_kp: Tensor, layer: int, ridge: float) -> Tensor:
@@ -189,8 +203,8 @@ class System:
         P = pruned.nonzero().flatten()
         if len(P) == 0 or self.precision is None:
             return 0.0
-        schur = torch.linalg.inv(self.precision[P][:, P]) - self.lam * torch.eye(len(P), dtype=torch.float64)
-        return max(float((self.gram[P][:, P].double() * schur).sum()), 0.0)
+        schur = torch.linalg.inv(self.precision[P[:, None], P]) - self.lam * torch.eye(len(P), dtype=torch.float64)
+        return max(float((self.gram[P[:, None], P].double() * schur).sum()), 0.0)
 
 
 def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dict | None = None) -> list[float]:
@@ -218,13 +232,13 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
     cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
     d = len(blocks[0])
     # each candidate's own d x d blocks of Q and G (the (n d)^2 products of every pair are never read)
-    C = [Q[h][:, h] for h in blocks]  # n x (d, d)
-    g_c = [G[h][:, h].double() for h in blocks]
-    if len(P):  # every candidate's border in one product each
-        B = Q[P][:, cand]  # (|P|, n d)
+    C = [Q[h[:, None], h] for h in blocks]  # n x (d, d)
+    g_c = [G[h[:, None], h].double() for h in blocks]
+    if len(P):  # every candidate's border in one product each; each block indexed at once (no (|P|, D) rows)
+        B = Q[P[:, None], cand]  # (|P|, n d)
         V = a_inv @ B  # (|P|, n d)
-        GV = G[P][:, P].double() @ V  # (|P|, n d)
-        G_pc = G[P][:, cand].double()  # (|P|, n d)
+        GV = G[P[:, None], P].double() @ V  # (|P|, n d)
+        G_pc = G[P[:, None], cand].double()  # (|P|, n d)
     out = []
     for i in range(len(blocks)):
         j = slice(i * d, (i + 1) * d)
@@ -248,14 +262,14 @@ def _pruned_inverse(Q: Tensor, pruned: Tensor, state: dict | None) -> tuple[Tens
     state = {} if state is None else state
     old, inv = state.get("order"), state.get("inverse")
     if old is None or not len(old) or not bool(pruned[old].all()):  # P is not a superset of the carried set
-        inv = torch.linalg.inv(Q[P][:, P])
+        inv = torch.linalg.inv(Q[P[:, None], P])
     elif len(old) < len(P):
         seen = torch.zeros_like(pruned)
         seen[old] = True
         new = P[~seen[P]]  # (k,) the channels pruned since
-        b = Q[old][:, new]  # (|old|, k)
+        b = Q[old[:, None], new]  # (|old|, k)
         v = inv @ b
-        zi = torch.linalg.inv(Q[new][:, new] - b.t() @ v)  # (k, k) the new channels' Schur complement, inverted
+        zi = torch.linalg.inv(Q[new[:, None], new] - b.t() @ v)  # (k, k) the new channels' Schur complement, inverted
         vz = v @ zi
         inv = torch.cat([torch.cat([inv + vz @ v.t(), -vz], 1), torch.cat([-vz.t(), zi], 1)], 0)
         P = torch.cat([old, new])
@@ -366,6 +380,7 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
                 continue
             out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
         del U, R, ZH  # not alive beside the next fold's
+        release_freed()  # nor kept by the allocator beside them (pruner.core.host_memory)
     return out
 
 

@@ -56,8 +56,9 @@ SYSTEM_SQUARES = 3     # the refit-aware scorer: S, S + lam I and its Cholesky f
 REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system and held-out moment, then their
 #                        kept/pruned blocks and eigenvectors (`refit.heldout_energies`); then the fit: the
 #                        covariance, its blocks and the new columns (float64, full width; `refit.fit_layer`).
-#                        Measured 3.57 and 3.50 at the 8B width (eval/bench_refit_memory.py; 3.80 and 4.57
-#                        before the blocks were indexed directly and the symmetrising done in place)
+#                        Measured 3.57 and 2.94 at the 8B width (eval/bench_refit_memory.py; 3.80 and 4.57
+#                        before the blocks were indexed directly, the symmetrising done in place and the new
+#                        columns written a run of kept channels at a time)
 LOGIT_COPIES = 3       # a slice of logits: the head's output, its float32 copy and the log-softmax
 
 
