@@ -20,30 +20,15 @@ import json
 import math
 from pathlib import Path
 
-from recovery_study import ROOT, cli, nll, run_folder  # beside this script: python puts eval/ on the path
+from recovery_study import ROOT, cli, nll, reference, run_folder  # beside this script: python puts eval/ on the path
 
 DEV = ("shakespeare:calibration", "python-docs:dev")
-
-
-def dev_reference(run: Path, model: str) -> dict:
-    """Base and pruned NLLs on the development text, computed once per run."""
-    path = run / "dev-reference.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    import pruner
-    from pruner.checkpoints import loading
-
-    tok = loading.load_tokenizer(model)
-    base, pruned = loading.load_model(model), pruner.load(run / "model").float()
-    ref = {d: {"base": nll(base, tok, d), "pruned": nll(pruned, tok, d)} for d in DEV}
-    path.write_text(json.dumps(ref, indent=1))
-    return ref
 
 
 def one(out: Path, model: str, sparsity: str, setting: str) -> dict:
     tokens, *pairs = setting.split(",")
     run = run_folder(out, model, sparsity)
-    ref = dev_reference(run, model)
+    ref = reference(run, model, DEV, "dev-reference.json", plain=False)  # base and pruned, once per run
     rec = out / "dev" / f"{model}-{sparsity}-{setting.replace(',', '_').replace('=', '-').replace(':', '-')}"
     sets = [x for p in pairs for x in ("--set", f"recovery.{p}")]
     wall, _ = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, *sets])

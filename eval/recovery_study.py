@@ -71,9 +71,11 @@ def nll(model, tokenizer, domain: str) -> float:
     return float(total.sum() / count.sum())
 
 
-def reference(run: Path, model: str) -> dict:
-    """Base and pruned NLLs on both domains and the plain-training throughput, computed once per run."""
-    path = run / "reference.json"
+def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: str = "reference.json",
+              plain: bool = True) -> dict:
+    """Base and pruned NLLs on `domains` and (`plain`) the plain-training throughput, computed once per run and
+    kept in the run folder as `name`."""
+    path = run / name
     if path.exists():
         return json.loads(path.read_text())
     import pruner
@@ -81,8 +83,9 @@ def reference(run: Path, model: str) -> dict:
 
     tok = loading.load_tokenizer(model)
     base, pruned = loading.load_model(model), pruner.load(run / "model").float()
-    ref = {d: {"base": nll(base, tok, d), "pruned": nll(pruned, tok, d)} for d in DOMAINS}
-    ref["plain_tokens_per_second"] = plain_training(pruned)
+    ref = {d: {"base": nll(base, tok, d), "pruned": nll(pruned, tok, d)} for d in domains}
+    if plain:
+        ref["plain_tokens_per_second"] = plain_training(pruned)
     path.write_text(json.dumps(ref, indent=1))
     return ref
 
