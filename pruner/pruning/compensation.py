@@ -11,6 +11,7 @@ import torch
 
 from pruner.attention.moments import FoldMoments, OutputMoments
 from pruner.core import arch
+from pruner.core.host_memory import release_freed
 from pruner.pruning import refit
 from pruner.pruning.surgery import (
     COMPENSATIONS,
@@ -92,7 +93,8 @@ def choose_layer_ridge(model, layer: int, heads: list[int], folds: FoldMoments) 
     pruned = torch.zeros(w.shape[1], dtype=torch.bool)
     pruned[_slots(heads, arch.geometry(model).head_dim)] = True
     f = folds.to("cpu")
-    return refit.choose_ridge(w, f.joint, f.o, f.tokens, pruned, has_bias(model, layer))
+    return refit.choose_ridge(w, f.joint, f.o, f.tokens, pruned, has_bias(model, layer),
+                              between_folds=release_freed)  # each fold's buffers back to the system
 
 
 def has_bias(model, layer: int) -> bool:

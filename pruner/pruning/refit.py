@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-from pruner.core.host_memory import release_freed
 
 Tensor = torch.Tensor
 MAX_CONDITION = 1e12  # beyond this the solve loses more than 4 of float64's 16 digits
@@ -153,9 +152,8 @@ def fit_layer(w: Tensor, mu: Tensor, s: Tensor, pruned: Tensor, ridge: float, la
 
 
 def _new_columns(shape: tuple[int, int], K: Tensor, w_p: Tensor, a: Tensor) -> Tensor:
-    """delta_W (d_model, D) float64: W_P A^T in the kept channels K, zero elsewhere. Written run by run of
-    consecutive kept channels (a kept head's d_head columns, or several heads') into column slices of the result:
-    no (d_model, |K|) product beside it, and no advanced-indexing copy of one (each was 64 MiB at the 8B width)."""
+    """delta_W (d_model, D) float64: W_P A^T in the kept channels K, zero elsewhere; written a run of consecutive kept
+    channels at a time into column slices (no (d_model, |K|) product or indexing copy beside it: 64 MiB each at 8B)."""
     delta_w = torch.zeros(shape, dtype=torch.float64)
     k = K.tolist()
     ends = [i + 1 for i in range(len(k)) if i + 1 == len(k) or k[i + 1] != k[i] + 1]  # a run ends after each
@@ -342,7 +340,7 @@ def _fold_system(joint: Tensor, o: Tensor, n: Tensor, f: int, intercept: bool) -
 
 
 def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,
-                     grid: tuple[float, ...] = RIDGE_GRID) -> Tensor:
+                     grid: tuple[float, ...] = RIDGE_GRID, between_folds: Callable[[], object] | None = None) -> Tensor:
     """(folds, ridges) held-out unexplained energy tr(W_P E_f[e e^T] W_P^T) of the fit trained without fold f.
 
     w: (d_model, D); joint (K, D, D), o (K, D), n (K,): fold sums (`FoldMoments`); pruned: (D,) bool.
@@ -380,14 +378,16 @@ def heldout_energies(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Ten
                 continue
             out[f, i] = base - 2 * float((v * d).sum()) + float(d @ ZH @ d)
         del U, R, ZH  # not alive beside the next fold's
-        release_freed()  # nor kept by the allocator beside them (pruner.core.host_memory)
+        if between_folds is not None:  # the caller's plumbing: freed memory handed back, say
+            between_folds()
     return out
 
 
 def choose_ridge(w: Tensor, joint: Tensor, o: Tensor, n: Tensor, pruned: Tensor, intercept: bool,
-                 grid: tuple[float, ...] = RIDGE_GRID) -> RidgeChoice:
+                 grid: tuple[float, ...] = RIDGE_GRID,
+                 between_folds: Callable[[], object] | None = None) -> RidgeChoice:
     """K-fold cross-validated ridge for refitting `pruned` channels from the rest (see `heldout_energies`)."""
-    per_fold = heldout_energies(w, joint, o, n, pruned, intercept, grid)  # (K, ridges)
+    per_fold = heldout_energies(w, joint, o, n, pruned, intercept, grid, between_folds)  # (K, ridges)
     used = n > 0
     weights = (n[used] / n[used].sum()).double()[:, None]
     mean = (per_fold[used] * weights).sum(0)
