@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
-from recovery_study import ROOT, cli, nll, reference, run_folder  # beside this script: python puts eval/ on the path
+from recovery_study import (  # beside this script: python puts eval/ on the path
+    ROOT, cells, cli, damage, nll, reference, run_folder)
 
 DEV = ("shakespeare:calibration", "python-docs:dev")
 
@@ -42,9 +42,7 @@ def one(out: Path, model: str, sparsity: str, setting: str) -> dict:
            "best_step": m["best_step"], "steps": m["steps"], "tokens_per_second": m["tokens_per_second"],
            "wall_s": round(wall, 1)}
     for d in DEV:
-        after, b, p = nll(recovered, tok, d), ref[d]["base"], ref[d]["pruned"]
-        row[d] = {"ppl_base": math.exp(b), "ppl_pruned": math.exp(p), "ppl_recovered": math.exp(after),
-                  "R": (p - after) / (p - b) if p > b else None}
+        row[d] = damage(ref[d]["base"], ref[d]["pruned"], nll(recovered, tok, d))
     return row
 
 
@@ -63,14 +61,9 @@ def main() -> None:
         r = one(out, args.model, args.sparsity, setting)
         with open(out / "dev.jsonl", "a") as f:
             f.write(json.dumps(r) + "\n")
-        cells = []
-        for d in DEV:
-            x = r[d]
-            cells += [f"{x['ppl_base']:.1f} / {x['ppl_pruned']:.1f} / {x['ppl_recovered']:.1f}",
-                      "n/a" if x["R"] is None else f"{x['R']:.2f}"]
         v = r["validation_kl"]
         print(f"| {setting} | {v[0]:.4f} / {v[1]:.4f} ({r['best_step']} of {r['steps']}) | {r['kept']} | "
-              f"{' | '.join(cells)} | {r['wall_s']:.0f} |", flush=True)
+              f"{' | '.join(c for d in DEV for c in cells(r[d]))} | {r['wall_s']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -128,11 +128,21 @@ def one(out: Path, config: str) -> dict:
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
               "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1)}
     for d in DOMAINS:
-        after = nll(recovered, tok, d)
-        b, p = ref[d]["base"], ref[d]["pruned"]
-        record[d] = {"ppl_base": math.exp(b), "ppl_pruned": math.exp(p), "ppl_recovered": math.exp(after),
-                     "R": (p - after) / (p - b) if p > b else None}
+        record[d] = damage(ref[d]["base"], ref[d]["pruned"], nll(recovered, tok, d))
     return record
+
+
+def damage(b: float, p: float, after: float) -> dict:
+    """A domain's perplexities (from the base, pruned and recovered NLLs) and the damage recovered
+    R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base); None where pruning did no damage."""
+    return {"ppl_base": math.exp(b), "ppl_pruned": math.exp(p), "ppl_recovered": math.exp(after),
+            "R": (p - after) / (p - b) if p > b else None}
+
+
+def cells(d: dict) -> tuple[str, str]:
+    """A `damage` record's two table cells: the perplexities base / pruned / recovered, and R."""
+    return (f"{d['ppl_base']:.1f} / {d['ppl_pruned']:.1f} / {d['ppl_recovered']:.1f}",
+            "n/a" if d["R"] is None else f"{d['R']:.2f}")
 
 
 def _with_colon(config: str) -> tuple[str, ...]:
@@ -145,10 +155,8 @@ def table(records: list[dict]) -> str:
     rows = ["| model | sparsity | data | tokens | method | teacher | ppl shakespeare base / pruned / recovered | R | "
             "ppl python-docs base / pruned / recovered | R | tokens/s (plain) | wall s | peak GiB | kept |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda d: (f"{d['ppl_base']:.1f} / {d['ppl_pruned']:.1f} / {d['ppl_recovered']:.1f}",  # noqa: E731
-                   "n/a" if d["R"] is None else f"{d['R']:.2f}")
     for r in records:
-        s, p = f(r[DOMAINS[0]]), f(r[DOMAINS[1]])
+        s, p = cells(r[DOMAINS[0]]), cells(r[DOMAINS[1]])
         rows.append(f"| {r['model']} | {r['sparsity']:g} | {r['data']} | {r['tokens']:,} | {r['method']} | "
                     f"{r['teacher']} | {s[0]} | {s[1]} | {p[0]} | {p[1]} | {r['tokens_per_second']:.0f} "
                     f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "

@@ -28,4 +28,3 @@ def test_freed_heap_pages_are_returned():
     before, after, released = int(out[0]), int(out[1]), out[2] == "True"
     assert released
     assert before - after > 150e6  # most of the 200 MB freed inside the heap left the process
-

@@ -6,9 +6,10 @@ mmap threshold -- which it raises as large buffers are freed -- from its heap, a
 stays mapped until the heap's top is free: with every block the process's anonymous memory crept upward
 (+27% from 4 to 32 blocks of the Llama-3-8B width, eval/bench_prune_layerwise.py) though what it held
 did not grow. `release_freed` asks the allocator to return the free pages (`malloc_trim(0)`, which since
-glibc 2.8 also releases whole free pages inside the heap) once per block: a few milliseconds against a
-block's seconds, where forcing every large buffer through mmap (`MALLOC_MMAP_THRESHOLD_`) cost 50% of the
-wall time. Elsewhere than glibc it does nothing.
+glibc 2.8 also releases whole free pages inside the heap) where a block is offloaded, before a finished
+layer's curves and its refit, and between the ridge's folds: a few milliseconds against a block's seconds,
+where forcing every large buffer through mmap (`MALLOC_MMAP_THRESHOLD_`) cost 50% of the wall time.
+Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
