@@ -26,11 +26,9 @@ the minimum of the ridge objective E||W_P (x_P - A^T x_K)||^2 + lam ||W_P A^T||_
 the cost of pruning P under refit, which `System` evaluates for any P cheaply
 from one inverse per layer.
 
-lam = ridge x the mean diagonal of the layer's S: scale-free, fixed per layer (so
-the scorer and the fit agree for every P), and it keeps S_KK + lam I positive
-definite whenever the layer writes anything. Kept heads that write nothing have
-S_KP = 0, so A = 0 (mean compensation with an intercept, none without): a
-documented fallback, never NaN.
+lam = ridge x the mean diagonal of the layer's S: scale-free, fixed per layer (so the scorer and the fit
+agree for every P), and it keeps S_KK + lam I positive definite whenever the layer writes anything. Kept heads
+that write nothing have S_KP = 0, so A = 0 (mean compensation with an intercept, none without): never NaN.
 """
 
 from __future__ import annotations
@@ -205,6 +203,10 @@ class System:
         return max(float((self.gram[P[:, None], P].double() * schur).sum()), 0.0)
 
 
+BORDER_CHUNK = 4  # candidates bordered per product: (|P|, 4 d) matrices, as fast as all at once, without four
+#                   (|P|, n d) ones beside Q (a square at |P| = D / 2, resized every greedy step)
+
+
 def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dict | None = None) -> list[float]:
     """E(P + h) - E(P) for every candidate block h of channels (each a (d,) index tensor), from one inverse.
 
@@ -214,10 +216,8 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
     E(P + h) - E(P) = tr((V^T G_PP V - 2 V^T G_Ph + G_hh) Z^-1) - lam tr(G_hh):
     |P|^2 d per candidate, where a fresh inverse of each enlarged set costs (|P| + d)^3.
 
-    `state` (one per layer, kept by the caller across a greedy selection) holds A^-1 and the channel order
-    it is in: when P has grown since, A^-1 is updated by the same bordering -- the new channels' Schur
-    complement, k^2 |P| for k new channels -- instead of inverted afresh (P is used in that order; E does not
-    depend on it).
+    `state` (one per layer, kept by the caller across a greedy selection) holds A^-1 and its channel order: when
+    P has grown since, A^-1 is bordered by the new channels' Schur complement (k^2 |P| for k), not inverted afresh.
     """
     if sys.error:
         raise RefitError(sys.error)
@@ -227,27 +227,27 @@ def marginal_costs(sys: System, pruned: Tensor, blocks: list[Tensor], state: dic
     P, a_inv = _pruned_inverse(Q, pruned, state)
     if not blocks:
         return []
-    cand = torch.cat(blocks)  # (n d,) every candidate's channels, block after block
     d = len(blocks[0])
-    # each candidate's own d x d blocks of Q and G (the (n d)^2 products of every pair are never read)
-    C = [Q[h[:, None], h] for h in blocks]  # n x (d, d)
-    g_c = [G[h[:, None], h].double() for h in blocks]
-    if len(P):  # every candidate's border in one product each; each block indexed at once (no (|P|, D) rows)
-        B = Q[P[:, None], cand]  # (|P|, n d)
-        V = a_inv @ B  # (|P|, n d)
-        GV = G[P[:, None], P].double() @ V  # (|P|, n d)
-        G_pc = G[P[:, None], cand].double()  # (|P|, n d)
+    G_pp = G[P[:, None], P].double() if len(P) else None  # (|P|, |P|)
     out = []
-    for i in range(len(blocks)):
-        j = slice(i * d, (i + 1) * d)
-        g_hh, Z = g_c[i], C[i]
-        if len(P):
-            Vh = V[:, j]
-            core = Vh.t() @ GV[:, j] - 2 * Vh.t() @ G_pc[:, j] + g_hh
-            Z = Z - B[:, j].t() @ Vh
-        else:
-            core = g_hh
-        out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
+    for first in range(0, len(blocks), BORDER_CHUNK):  # a few candidates' borders per product (see BORDER_CHUNK)
+        chunk = blocks[first:first + BORDER_CHUNK]
+        if len(P):  # each block indexed at once (no (|P|, D) rows)
+            cand = torch.cat(chunk)  # (c d,) the chunk's channels, block after block
+            B = Q[P[:, None], cand]  # (|P|, c d)
+            V = a_inv @ B  # (|P|, c d)
+            GV = G_pp @ V  # (|P|, c d)
+            G_pc = G[P[:, None], cand].double()  # (|P|, c d)
+        for i, h in enumerate(chunk):
+            g_hh, Z = G[h[:, None], h].double(), Q[h[:, None], h]  # (d, d) the candidate's own blocks
+            if len(P):
+                j = slice(i * d, (i + 1) * d)
+                Vh = V[:, j]
+                core = Vh.t() @ GV[:, j] - 2 * Vh.t() @ G_pc[:, j] + g_hh
+                Z = Z - B[:, j].t() @ Vh
+            else:
+                core = g_hh
+            out.append(max(float((core * torch.linalg.inv(Z)).sum()) - sys.lam * float(torch.diagonal(g_hh).sum()), 0.0))
     return out
 
 
