@@ -1,9 +1,10 @@
 """Recovery evidence: shipped decoders pruned, then recovered by `pruner recover`, measured on two held-out domains.
 
-    python eval/recovery_study.py CONFIG [CONFIG ...] [--out eval/results/recovery]
+    python eval/recovery_study.py CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--out eval/results/recovery]
 
 A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
-(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal; DATA: generated or shakespeare:train). For each:
+(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal; DATA: generated or shakespeare:train); `--set` adds a
+`recovery:` setting to every config (one chosen on development text, eval/recovery_dev.py). For each:
 
 1. the run `pruner prune` makes of the model's recipe at SPARSITY with the default scorer (refit-energy), refit
    compensation and `surgery.mode: remove` (made once, kept in OUT/runs/; `selection.shape: any` so 25% stays 25%);
@@ -109,20 +110,21 @@ def plain_training(model, steps: int = 6, batch: int = 8, length: int = 128) -> 
     return steps * batch * length / (time.perf_counter() - t0)
 
 
-def one(out: Path, config: str) -> dict:
+def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
     model, sparsity, data, tokens, method, teacher = config.split(":", 5) if config.count(":") == 5 else \
         _with_colon(config)
     run = run_folder(out, model, sparsity)
     ref = reference(run, model)
-    rec = out / "recovered" / config.replace(":", "_")
+    rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
     wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, "--data", data,
-                      "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}"])
+                      "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
+                      *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
     import pruner
     from pruner.checkpoints import loading
 
     m = json.loads((rec / "metrics.json").read_text())["recovery"]
     recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
-    record = {"config": config, "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
+    record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
               "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
@@ -157,7 +159,8 @@ def table(records: list[dict]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         s, p = cells(r[DOMAINS[0]]), cells(r[DOMAINS[1]])
-        rows.append(f"| {r['model']} | {r['sparsity']:g} | {r['data']} | {r['tokens']:,} | {r['method']} | "
+        data = ", ".join([r["data"], *r.get("settings", [])])
+        rows.append(f"| {r['model']} | {r['sparsity']:g} | {data} | {r['tokens']:,} | {r['method']} | "
                     f"{r['teacher']} | {s[0]} | {s[1]} | {p[0]} | {p[1]} | {r['tokens_per_second']:.0f} "
                     f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "
                     f"{r['kept']} |")
@@ -168,12 +171,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "recovery"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `recovery:` setting for every config, e.g. temperature_generate=2.0 (chosen on "
+                         "development text: eval/recovery_dev.py)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for config in args.configs:
-        record = one(out, config)
+        record = one(out, config, tuple(args.set))
         with open(out / "records.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)

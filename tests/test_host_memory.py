@@ -28,3 +28,32 @@ def test_freed_heap_pages_are_returned():
     before, after, released = int(out[0]), int(out[1]), out[2] == "True"
     assert released
     assert before - after > 150e6  # most of the 200 MB freed inside the heap left the process
+
+
+LARGE = """
+from pathlib import Path
+from pruner.core.host_memory import map_large_buffers
+def anon():
+    line = [l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0]
+    return int(line.split()[1]) * 1024
+big = bytearray(16 * 2**20); del big  # a 16 MiB buffer freed: glibc raises its mmap threshold to 16 MiB
+if {set}:
+    assert map_large_buffers()
+bufs = [bytearray(8 * 2**20) for _ in range(25)]  # 200 MiB of 8 MiB buffers (below glibc's 32 MiB ceiling)
+pin = bytearray(100_000)  # a small allocation after them: on the heap's top when they are there
+before = anon()
+del bufs
+print(before, anon())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists() or not sys.platform.startswith("linux"),
+                    reason="RssAnon is read from Linux's /proc")
+def test_large_buffers_leave_the_process_when_freed():
+    """With map_large_buffers, 8 MiB buffers are mapped on their own: freed, they leave at once (no trim)."""
+    def freed(set_it: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", LARGE.format(set=set_it)], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return int(out[0]) - int(out[1])
+    assert freed(False) < 50 * 2**20  # without it they stay on the heap, under the pin: nothing leaves
+    assert freed(True) > 180 * 2**20

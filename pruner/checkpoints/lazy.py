@@ -19,7 +19,7 @@ import torch
 from pruner.checkpoints import loading
 from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.core import arch
-from pruner.core.host_memory import release_freed
+from pruner.core.host_memory import map_large_buffers, release_freed
 
 
 def saved_names(model, names: list[str]) -> list[str]:
@@ -39,6 +39,7 @@ class LazyBlocks:
         self.spill: Path | None = None  # a folder: passes keep their hidden states there (`layerwise.Spill`)
         self.read_ahead = True  # read the next block while one runs (one more block in memory)
         self._ahead: dict[int, object] = {}  # layer -> Future of its state
+        map_large_buffers()  # block after block of large buffers: mapped on their own, never fragmenting the heap
         self._last: int | None = None
         self._pool = None
         self.where = check_shards(self.folder)

@@ -7,9 +7,15 @@ stays mapped until the heap's top is free: with every block the process's anonym
 (+27% from 4 to 32 blocks of the Llama-3-8B width, eval/bench_prune_layerwise.py) though what it held
 did not grow. `release_freed` asks the allocator to return the free pages (`malloc_trim(0)`, which since
 glibc 2.8 also releases whole free pages inside the heap) where a block is offloaded, before a finished
-layer's curves and its refit, and between the ridge's folds: a few milliseconds against a block's seconds,
-where forcing every large buffer through mmap (`MALLOC_MMAP_THRESHOLD_`) cost 50% of the wall time.
-Elsewhere than glibc it does nothing.
+layer's curves and its refit, and between the ridge's folds: a few milliseconds against a block's seconds.
+
+Trimming gives back whole free pages, not the heap's address space: over many blocks the heap kept
+growing around small long-lived allocations (+40 MB of heap a block at the 8B width, the finished layer's peak
++12 MB a block). `map_large_buffers` serves buffers of 4 MiB and more by mmap, so they leave the process when
+freed and never fragment the heap (glibc raises its threshold up to 32 MiB as large buffers are freed); every
+buffer over 1 MiB that way cost 50% of a lean run's wall time, over 4 MiB only the few large ones pay the page
+faults (docs/scaling.md). A layer-by-layer run from disk sets it (`pruner.checkpoints.lazy.LazyBlocks`).
+Elsewhere than glibc both do nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +36,30 @@ def _trim():
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
+
+
+@functools.cache
+def _mallopt():
+    """glibc's `mallopt`, or None where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+LARGE = 4 << 20  # bytes: a buffer this large or larger is mapped on its own (see the module docstring)
+
+
+def map_large_buffers(threshold: int = LARGE) -> bool:
+    """Serve every buffer of `threshold` bytes or more by its own mmap, for the rest of the process (a fixed
+    threshold: glibc no longer raises it); whether it was set (False where not glibc)."""
+    fn = _mallopt()
+    return bool(fn(M_MMAP_THRESHOLD, threshold)) if fn is not None else False
 
 
 def release_freed() -> bool:
