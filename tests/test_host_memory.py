@@ -1,10 +1,14 @@
 """Freed host memory goes back to the system between blocks (pruner.core.host_memory)."""
 
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+GLIBC = pytest.mark.skipif(not Path("/proc/self/status").exists() or platform.libc_ver()[0] != "glibc",
+                           reason="glibc's allocator, and RssAnon read from Linux's /proc")
 
 SCRIPT = """
 from pathlib import Path
@@ -21,8 +25,7 @@ print(before, anon(), released)
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists() or not sys.platform.startswith("linux"),
-                    reason="RssAnon is read from Linux's /proc")
+@GLIBC
 def test_freed_heap_pages_are_returned():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout.split()
     before, after, released = int(out[0]), int(out[1]), out[2] == "True"
@@ -47,8 +50,7 @@ print(before, anon())
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists() or not sys.platform.startswith("linux"),
-                    reason="RssAnon is read from Linux's /proc")
+@GLIBC
 def test_large_buffers_leave_the_process_when_freed():
     """With map_large_buffers, 8 MiB buffers are mapped on their own: freed, they leave at once (no trim)."""
     def freed(set_it: bool) -> int:
