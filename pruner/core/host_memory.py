@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 
 @functools.cache
@@ -57,7 +58,10 @@ LARGE = 4 << 20  # bytes: a buffer this large or larger is mapped on its own (se
 
 def map_large_buffers(threshold: int = LARGE) -> bool:
     """Serve every buffer of `threshold` bytes or more by its own mmap, for the rest of the process (a fixed
-    threshold: glibc no longer raises it); whether it was set (False where not glibc)."""
+    threshold: glibc no longer raises it); whether it was set (False where not glibc, or where the user set
+    `MALLOC_MMAP_THRESHOLD_`: theirs stands)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
     fn = _mallopt()
     return bool(fn(M_MMAP_THRESHOLD, threshold)) if fn is not None else False
 
