@@ -59,3 +59,27 @@ def test_large_buffers_leave_the_process_when_freed():
         return int(out[0]) - int(out[1])
     assert freed(False) < 50 * 2**20  # without it they stay on the heap, under the pin: nothing leaves
     assert freed(True) > 180 * 2**20
+
+
+REUSE = """
+import resource
+from pruner.core.host_memory import reuse_buffers
+if {set}:
+    assert reuse_buffers()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+a = bytearray(64 * 2**20); del a  # a training step's large buffer, freed
+before = faults()
+a = bytearray(64 * 2**20)  # and the next step's
+print(faults() - before)
+"""
+
+
+@GLIBC
+def test_reused_buffers_fault_no_fresh_pages():
+    """With reuse_buffers, a step's 64 MiB buffer is the last step's memory again: no fresh pages to fault in."""
+    def faults(set_it: bool) -> int:
+        return int(subprocess.run([sys.executable, "-c", REUSE.format(set=set_it)], capture_output=True, text=True,
+                                  check=True).stdout.split()[0])
+    assert faults(False) > 10_000  # mapped afresh: 16,384 pages of 4 KiB
+    assert faults(True) < 1_000

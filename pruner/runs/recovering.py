@@ -23,6 +23,7 @@ import torch
 
 from pruner.checkpoints import loading
 from pruner.core import data, distributed, resume, runtime
+from pruner.core.host_memory import reuse_buffers
 from pruner.evaluation.perplexity import EvalWindows, paired_delta, perplexity, window_scores
 from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
@@ -93,6 +94,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     checkpoint and its passes (the cache, the base perplexity) run a block at a time (`cached` only; the base's
     task accuracy, which needs the whole model, is then not measured)."""
     options = options or Options()
+    if teacher_onloader is None and runtime.input_device(student).type == "cpu":
+        reuse_buffers()  # the same large buffers every step: reused, not mapped afresh (pruner.core.host_memory)
     if not runtime.attends_causally(student):
         raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
                                   "attends both ways")
