@@ -28,29 +28,24 @@ import os
 
 
 @functools.cache
+def _glibc(name: str, *argtypes):
+    """glibc's function `name` taking `argtypes` and returning an int, or None where the C library is not glibc."""
+    lib = ctypes.util.find_library("c")
+    try:
+        fn = getattr(ctypes.CDLL(lib), name) if lib else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+    return fn
+
+
 def _trim():
-    """glibc's `malloc_trim`, or None where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    return _glibc("malloc_trim", ctypes.c_size_t)
 
 
-@functools.cache
 def _mallopt():
-    """glibc's `mallopt`, or None where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _glibc("mallopt", ctypes.c_int, ctypes.c_int)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
