@@ -1,8 +1,10 @@
 """Peak-memory probe run in a subprocess by tests/test_capture_memory.py.
 
     python tests/mem_probe.py {plain|capture|eager} T
+    python tests/mem_probe.py moments N
 
-Prints the peak resident memory (MiB) growth of one pass over a random model:
+Prints the peak resident memory (MiB) growth of one pass over a random model (`moments`: of one batch's output
+moments of N rows, 16 heads x 128, joint, added to a layer's running sums):
 VmHWM after resetting it (`/proc/self/clear_refs` = 5), minus VmRSS before. Not
 `ru_maxrss`: it keeps the parent's peak across fork/exec, so a probe started from a
 large pytest process would see no growth at all.
@@ -21,9 +23,27 @@ def _status_mib(key: str) -> float:
     return int(line.split()[1]) / 1024
 
 
+def moments(N: int) -> None:
+    from pruner.attention.moments import output_moments
+    from pruner.core import host_memory
+
+    host_memory.map_large_buffers()  # freed buffers leave the process: the peak is what is alive at once
+    g = torch.Generator().manual_seed(0)
+    o = [torch.randn(1, N, 16, 128, generator=g, dtype=torch.bfloat16) for _ in range(2)]
+    u = [torch.randn(1, N, 16, 128, generator=g) for _ in range(2)]
+    rows = torch.ones(1, N, dtype=torch.bool)
+    running = output_moments(o[0], u[0], rows, True, channels=False, joint=True)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_mib("VmRSS")
+    running.add_(output_moments(o[1], u[1], rows, True, channels=False, joint=True))
+    print(_status_mib("VmHWM") - base)
+
+
 def main() -> None:
     mode, T = sys.argv[1], int(sys.argv[2])
     torch.set_num_threads(1)
+    if mode == "moments":
+        return moments(T)
     import transformers as tf
 
     from pruner.attention.capture import CaptureConfig, capture_stats

@@ -150,15 +150,18 @@ def whole_layer_bytes(model, sizes: Sizes) -> int:
 
 
 def _running_bytes(model, sizes: Sizes) -> tuple[int, int]:
-    """(the layer's running sums, one batch's sums while they are added): with fold moments the joint moment is
-    not accumulated (it is their sum, derived once the layer is complete) and the folds take each batch's in
-    place, so a batch adds the float32 product of one fold and its float64 copy."""
+    """(the layer's running sums, one batch's sums while they are added): a batch's joint product is the float32
+    product and, while it is uncentred, its float64 copy (`moments.output_moments`: 1.5 squares), then the copy
+    alone until it is added; the batch's other sums are small. With fold moments the joint moment is not
+    accumulated (it is their sum, derived once the layer is complete) and the folds take each batch's in place,
+    so a batch adds the product of one fold the same way."""
     square = _square(model)
     whole = whole_layer_bytes(model, sizes)
     derived = (square + square // model_shape(model)["H"]) if sizes.folds else 0  # joint and oo, from the folds
     running = whole - derived
     folds = sizes.folds * (square + square // model_shape(model)["H"] // model_shape(model)["D"])
-    batch = running - folds + (square * 3 // 2 if (sizes.joint or sizes.folds) else 0)
+    joint = square if sizes.joint and not sizes.folds else 0  # the batch's own joint: the float64 copy below
+    batch = running - folds - joint + (square * 3 // 2 if (sizes.joint or sizes.folds) else 0)
     return running, batch
 
 
