@@ -10,12 +10,15 @@ import pytest
 GLIBC = pytest.mark.skipif(not Path("/proc/self/status").exists() or platform.libc_ver()[0] != "glibc",
                            reason="glibc's allocator, and RssAnon read from Linux's /proc")
 
-SCRIPT = """
+ANON = """
 from pathlib import Path
-from pruner.core.host_memory import release_freed
 def anon():
     line = [l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0]
     return int(line.split()[1]) * 1024
+"""
+
+SCRIPT = ANON + """
+from pruner.core.host_memory import release_freed
 bufs = [bytearray(100_000) for _ in range(2000)]  # 200 MB below the mmap threshold: the heap's
 pin = bytearray(100_000)  # above them: the heap's top stays in use, so free() alone gives nothing back
 del bufs
@@ -33,12 +36,8 @@ def test_freed_heap_pages_are_returned():
     assert before - after > 150e6  # most of the 200 MB freed inside the heap left the process
 
 
-LARGE = """
-from pathlib import Path
+LARGE = ANON + """
 from pruner.core.host_memory import map_large_buffers
-def anon():
-    line = [l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0]
-    return int(line.split()[1]) * 1024
 big = bytearray(16 * 2**20); del big  # a 16 MiB buffer freed: glibc raises its mmap threshold to 16 MiB
 if {set}:
     assert map_large_buffers()

@@ -40,30 +40,28 @@ def _glibc(name: str, *argtypes):
     return fn
 
 
-def _trim():
-    return _glibc("malloc_trim", ctypes.c_size_t)
-
-
-def _mallopt():
-    return _glibc("mallopt", ctypes.c_int, ctypes.c_int)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+# glibc's mallopt parameters (malloc.h), each with the environment variable a user sets it with
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
+USER_SETS = {M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_", M_TOP_PAD: "MALLOC_TOP_PAD_",
+             M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_", M_MMAP_MAX: "MALLOC_MMAP_MAX_"}
 LARGE = 4 << 20  # bytes: a buffer this large or larger is mapped on its own (see the module docstring)
+REUSE = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 << 20))
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's `mallopt` for each (parameter, value); whether all were set (False where not glibc, or where the
+    user set one of them in the environment: theirs stand, and none of these is set)."""
+    if any(USER_SETS[param] in os.environ for param, _ in settings):
+        return False
+    fn = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    return fn is not None and all(bool(fn(param, value)) for param, value in settings)
 
 
 def map_large_buffers(threshold: int = LARGE) -> bool:
     """Serve every buffer of `threshold` bytes or more by its own mmap, for the rest of the process (a fixed
     threshold: glibc no longer raises it); whether it was set (False where not glibc, or where the user set
     `MALLOC_MMAP_THRESHOLD_`: theirs stands)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    fn = _mallopt()
-    return bool(fn(M_MMAP_THRESHOLD, threshold)) if fn is not None else False
-
-
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters (malloc.h)
-REUSE = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_TOP_PAD, 256 << 20))
+    return _mallopt((M_MMAP_THRESHOLD, threshold))
 
 
 def reuse_buffers() -> bool:
@@ -74,13 +72,10 @@ def reuse_buffers() -> bool:
     the same weights, peak RSS 2.9 GB against 2.1). The opposite of `map_large_buffers`, for a process whose
     buffers keep their sizes. Whether it was set (False where not glibc, or where the user set one of
     `MALLOC_MMAP_MAX_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`: theirs stand)."""
-    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")):
-        return False
-    fn = _mallopt()
-    return fn is not None and all(bool(fn(param, value)) for param, value in REUSE)
+    return _mallopt(*REUSE)
 
 
 def release_freed() -> bool:
     """Return the allocator's free pages to the system; whether anything was (False where not glibc)."""
-    fn = _trim()
+    fn = _glibc("malloc_trim", ctypes.c_size_t)
     return bool(fn(0)) if fn is not None else False
