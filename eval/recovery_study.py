@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,30 +62,64 @@ def run_folder(out: Path, model: str, sparsity: str) -> Path:
     return folder
 
 
-def nll(model, tokenizer, domain: str) -> float:
-    """Mean next-token NLL per token on 64 windows of 128 tokens of `domain`."""
+def windows(tokenizer, domain: str):
+    """The 64 windows of 128 tokens of `domain` every model is scored on."""
     from pruner.core import data
-    from pruner.evaluation.perplexity import sliding_windows, window_scores
+    from pruner.evaluation.perplexity import sliding_windows
 
-    texts = data.load_texts(data.TextSource(domain))
-    windows = sliding_windows(tokenizer, texts, 128, max_windows=64)
-    total, count, _ = window_scores(model, windows, 8, causal=True)
-    return float(total.sum() / count.sum())
+    return sliding_windows(tokenizer, data.load_texts(data.TextSource(domain)), 128, max_windows=64)
+
+
+def nll(model, tokenizer, domain: str) -> float:
+    """Mean next-token NLL per token on the 64 windows of `domain`."""
+    total, count = window_nll(model, windows(tokenizer, domain))
+    return sum(total) / sum(count)
+
+
+def window_nll(model, w) -> tuple[list[float], list[int]]:
+    """Per window of `w`: the summed next-token NLL and the number of tokens predicted."""
+    from pruner.evaluation.perplexity import window_scores
+
+    total, count, _ = window_scores(model, w, 8, causal=True)
+    return total.tolist(), count.tolist()
+
+
+@torch.no_grad()
+def divergence(teacher, model, w, batch: int = 8) -> dict[str, list[float]]:
+    """Per window of `w`, summed over the positions its NLL counts: the full-vocabulary KL(teacher || model) and
+    the model's entropy (nats)."""
+    kl, ent = [], []
+    model.eval()
+    for i in range(0, len(w), batch):
+        ids, mask = w.input_ids[i:i + batch], w.attention_mask[i:i + batch]
+        on = (w.labels[i:i + batch, 1:] != -100).double()                          # (b, T-1)
+        t = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        s = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)  # (b, T-1, V)
+        kl += ((t.exp() * (t - s)).sum(-1).double() * on).sum(-1).tolist()
+        ent += ((-(s.exp() * s).sum(-1)).double() * on).sum(-1).tolist()
+    return {"kl": kl, "entropy": ent}
 
 
 def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: str = "reference.json",
               plain: bool = True) -> dict:
-    """Base and pruned NLLs on `domains` and (`plain`) the plain-training throughput, computed once per run and
-    kept in the run folder as `name`."""
+    """Base and pruned NLLs on `domains` (means, and per window with the pruned model's KL to the base) and
+    (`plain`) the plain-training throughput, computed once per run and kept in the run folder as `name`."""
     path = run / name
-    if path.exists():
+    if path.exists() and all("windows" in v for k, v in json.loads(path.read_text()).items() if k in domains):
         return json.loads(path.read_text())
     import pruner
     from pruner.checkpoints import loading
 
     tok = loading.load_tokenizer(model)
-    base, pruned = loading.load_model(model), pruner.load(run / "model").float()
-    ref = {d: {"base": nll(base, tok, d), "pruned": nll(pruned, tok, d)} for d in domains}
+    base, pruned = loading.load_model(model).float(), pruner.load(run / "model").float()
+    ref = {}
+    for d in domains:
+        w = windows(tok, d)
+        (b, count), (p, _) = window_nll(base, w), window_nll(pruned, w)
+        div = divergence(base, pruned, w)
+        ref[d] = {"base": sum(b) / sum(count), "pruned": sum(p) / sum(count),
+                  "windows": {"count": count, "base": b, "pruned": p, "kl_pruned": div["kl"],
+                              "entropy_pruned": div["entropy"], "entropy_base": divergence(base, base, w)["entropy"]}}
     if plain:
         ref["plain_tokens_per_second"] = plain_training(pruned)
     path.write_text(json.dumps(ref, indent=1))
@@ -124,13 +159,16 @@ def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
 
     m = json.loads((rec / "metrics.json").read_text())["recovery"]
     recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
+    teacher = loading.load_model(model).float()
     record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
               "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
               "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1)}
     for d in DOMAINS:
-        record[d] = damage(ref[d]["base"], ref[d]["pruned"], nll(recovered, tok, d))
+        w = windows(tok, d)
+        total, _ = window_nll(recovered, w)
+        record[d] = held_out(ref[d]["windows"], total, divergence(teacher, recovered, w))
     return record
 
 
@@ -141,10 +179,38 @@ def damage(b: float, p: float, after: float) -> dict:
             "R": (p - after) / (p - b) if p > b else None}
 
 
+def held_out(ref: dict, total: list[float], div: dict[str, list[float]], resamples: int = 2000) -> dict:
+    """A domain's `damage` record from per-window sums (`ref`: the reference's `windows`; `total`: the recovered
+    model's NLL sums; `div`: its KL to the teacher and entropy), with R's 95% paired bootstrap interval over the
+    windows, the KL(teacher || model) per token of the pruned and recovered models on this text and the share of
+    it recovery removed (R_KL = 1 - KL_recovered / KL_pruned: distillation's own objective, measured held out),
+    and the entropies of base, pruned and recovered."""
+    n = sum(ref["count"])
+    base, pruned, after = (sum(x) / n for x in (ref["base"], ref["pruned"], total))
+    out = damage(base, pruned, after)
+    b, p, a = (np.asarray(x) for x in (ref["base"], ref["pruned"], total))
+    idx = np.random.default_rng(0).integers(0, len(b), (resamples, len(b)))           # (resample, window)
+    gap = p[idx].sum(1) - b[idx].sum(1)
+    r = (p[idx].sum(1) - a[idx].sum(1))[gap > 0] / gap[gap > 0]
+    kl_p, kl_r = sum(ref["kl_pruned"]) / n, sum(div["kl"]) / n
+    out.update({"R_ci": [float(np.quantile(r, 0.025)), float(np.quantile(r, 0.975))] if out["R"] is not None
+                else None,
+                "kl_pruned": kl_p, "kl_recovered": kl_r, "R_kl": 1 - kl_r / kl_p,
+                "entropy": [sum(ref["entropy_base"]) / n, sum(ref["entropy_pruned"]) / n, sum(div["entropy"]) / n]})
+    return out
+
+
 def cells(d: dict) -> tuple[str, str]:
-    """A `damage` record's two table cells: the perplexities base / pruned / recovered, and R."""
+    """A `damage` record's two table cells: the perplexities base / pruned / recovered, and R (with its 95%
+    interval where measured)."""
+    ci = f" [{d['R_ci'][0]:.2f}, {d['R_ci'][1]:.2f}]" if d.get("R_ci") else ""
     return (f"{d['ppl_base']:.1f} / {d['ppl_pruned']:.1f} / {d['ppl_recovered']:.1f}",
-            "n/a" if d["R"] is None else f"{d['R']:.2f}")
+            "n/a" if d["R"] is None else f"{d['R']:.2f}{ci}")
+
+
+def kl_cell(d: dict) -> str:
+    """KL(teacher || model) per token, pruned -> recovered, and R_KL; a dash for records made before they were."""
+    return f"{d['kl_pruned']:.4f} → {d['kl_recovered']:.4f} ({d['R_kl']:.2f})" if "R_kl" in d else "—"
 
 
 def _with_colon(config: str) -> tuple[str, ...]:
@@ -155,13 +221,15 @@ def _with_colon(config: str) -> tuple[str, ...]:
 
 def table(records: list[dict]) -> str:
     rows = ["| model | sparsity | data | tokens | method | teacher | ppl shakespeare base / pruned / recovered | R | "
-            "ppl python-docs base / pruned / recovered | R | tokens/s (plain) | wall s | peak GiB | kept |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "KL to teacher (R_KL) | ppl python-docs base / pruned / recovered | R | KL to teacher (R_KL) | "
+            "tokens/s (plain) | wall s | peak GiB | kept |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         s, p = cells(r[DOMAINS[0]]), cells(r[DOMAINS[1]])
         data = ", ".join([r["data"], *r.get("settings", [])])
         rows.append(f"| {r['model']} | {r['sparsity']:g} | {data} | {r['tokens']:,} | {r['method']} | "
-                    f"{r['teacher']} | {s[0]} | {s[1]} | {p[0]} | {p[1]} | {r['tokens_per_second']:.0f} "
+                    f"{r['teacher']} | {s[0]} | {s[1]} | {kl_cell(r[DOMAINS[0]])} | {p[0]} | {p[1]} | "
+                    f"{kl_cell(r[DOMAINS[1]])} | {r['tokens_per_second']:.0f} "
                     f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "
                     f"{r['kept']} |")
     return "\n".join(rows)
