@@ -75,6 +75,11 @@ def reuse_buffers() -> bool:
     return _mallopt(*REUSE)
 
 
+def can_release() -> bool:
+    """Whether `release_freed` can return free pages here (the C library is glibc)."""
+    return _glibc("malloc_trim", ctypes.c_size_t) is not None
+
+
 def release_freed() -> bool:
     """Return the allocator's free pages to the system; whether anything was (False where not glibc)."""
     fn = _glibc("malloc_trim", ctypes.c_size_t)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import gc
 import inspect
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pruner.core import runtime
+from pruner.core import host_memory, runtime
 
 
 @dataclass(frozen=True)
@@ -72,11 +71,13 @@ class _Peak:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
             return self
+        if not host_memory.can_release():  # not glibc: freed heap stays resident, the growth would not be live
+            return self
+        host_memory.release_freed()
         try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
             self.start = _proc_kib("VmRSS") * 1024
-        except OSError:  # not Linux/glibc: no CPU peak
+        except OSError:  # not Linux: no CPU peak
             self.start = None
         return self
 
