@@ -159,7 +159,7 @@ def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
 
     m = json.loads((rec / "metrics.json").read_text())["recovery"]
     recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
-    teacher = loading.load_model(model).float()
+    base = loading.load_model(model).float()
     record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
               "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
@@ -168,7 +168,7 @@ def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
     for d in DOMAINS:
         w = windows(tok, d)
         total, _ = window_nll(recovered, w)
-        record[d] = held_out(ref[d]["windows"], total, divergence(teacher, recovered, w))
+        record[d] = held_out(ref[d]["windows"], total, divergence(base, recovered, w))
     return record
 
 
