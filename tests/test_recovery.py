@@ -39,6 +39,29 @@ def test_kl_is_zero_on_itself_and_matches_torch():
 
 
 @pytest.mark.unit
+def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(word_tokenizer):
+    from pruner.evaluation.perplexity import sliding_windows
+    from pruner.runs.recovering import held_out_kl
+
+    teacher = tiny_model("llama").eval()  # its vocabulary holds the word tokenizer's ids
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student.lm_head.weight.mul_(0.5)  # a flatter student
+    w = sliding_windows(word_tokenizer, texts(7), 16)  # the last window is short: padded, its pads unlabelled
+    assert (w.labels[-1] == -100).sum() > 1
+    assert held_out_kl(teacher, teacher, w) == pytest.approx(0, abs=1e-6)
+    total = count = 0.0
+    for ids, mask, lab in zip(w.input_ids, w.attention_mask, w.labels):  # one window, one position at a time
+        t = teacher(input_ids=ids[None], attention_mask=mask[None]).logits[0].double().log_softmax(-1)
+        s = student(input_ids=ids[None], attention_mask=mask[None]).logits[0].double().log_softmax(-1)
+        for pos in range(len(ids) - 1):
+            if lab[pos + 1] != -100:
+                total, count = total + float((t[pos].exp() * (t[pos] - s[pos])).sum()), count + 1
+    assert held_out_kl(teacher, student, w) == pytest.approx(total / count, rel=1e-4)
+    assert held_out_kl(teacher, student, None) is None
+
+
+@pytest.mark.unit
 def test_topk_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
     g = torch.Generator().manual_seed(1)
     s, t = torch.randn(2, 6, 40, generator=g), torch.randn(2, 6, 40, generator=g) * 3

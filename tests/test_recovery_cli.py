@@ -61,7 +61,11 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
     r = m["recovery"]
     assert r["data"] == "generated" and r["tokens"] == 2048 and r["method"] == "full"
     assert list((llama_run / "recovery-cache").glob("generated-*.pt"))  # the teacher's text, kept in the run
-    assert set(r["perplexity"]) >= {"base", "pruned", "recovered", "damage_recovered"}
+    p = r["perplexity"]
+    assert set(p) >= {"base", "pruned", "recovered", "damage_recovered", "kl_pruned", "kl_recovered"}
+    assert p["kl_pruned"] > 0.01 and p["kl_recovered"] > 0  # the pruned model's divergence from its base, held out
+    assert p["kl_recovered_share"] == pytest.approx(1 - p["kl_recovered"] / p["kl_pruned"])
+    assert "KL(base ‖ model) per token on the same windows" in (out / "report.md").read_text()
     prov = json.loads((out / "provenance.json").read_text())["recovery"]
     assert prov["budget"] == 2048 and prov["seed"] == 0 and prov["teacher"]["files"]
     assert "## Recovery" in (out / "report.md").read_text()

@@ -26,6 +26,7 @@ from pruner.core import data, distributed, resume, runtime
 from pruner.core.host_memory import reuse_buffers
 from pruner.evaluation.perplexity import EvalWindows, paired_delta, perplexity, window_scores
 from pruner.recovery import data as rdata
+from pruner.recovery import loss as rloss
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
@@ -61,6 +62,26 @@ def _nll(model, windows: EvalWindows | None, batch_size: int = 8, onloader=None)
         return None
     return window_scores(model, windows, batch_size, causal=True, onloader=onloader,
                          device="cpu" if onloader is None else onloader.device)[:2]
+
+
+@torch.no_grad()
+def held_out_kl(teacher, model, windows: EvalWindows | None, batch_size: int = 2) -> float | None:
+    """Mean KL(teacher || model) per token over the positions the evaluation windows' NLL counts: distillation's
+    own objective, on text it never trained on (None without windows, or with a teacher read a block at a time).
+    Two windows at a time: their full-vocabulary log-probabilities are the largest buffers."""
+    if windows is None:
+        return None
+    total = count = 0.0
+    for i in range(0, len(windows), batch_size):
+        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
+        on = windows.labels[i:i + batch_size, 1:] != -100                            # (b, T-1)
+        s = model(input_ids=ids.to(runtime.input_device(model)),
+                  attention_mask=mask.to(runtime.input_device(model))).logits[:, :-1]   # (b, T-1, V)
+        t = teacher(input_ids=ids.to(runtime.input_device(teacher)),
+                    attention_mask=mask.to(runtime.input_device(teacher))).logits[:, :-1].to(s.device)
+        kl, n = rloss.full_kl(s, t, on.to(s.device))
+        total, count = total + float(kl), count + float(n)
+    return total / count
 
 
 def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool,
@@ -109,6 +130,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     else:
         windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
     base, before = _nll(teacher, evaluation, onloader=teacher_onloader), _nll(student, evaluation)
+    whole = evaluation if teacher_onloader is None else None  # a teacher read a block at a time: no logits whole
+    kl_before = held_out_kl(teacher, student, whole)
     task_base = None if not tasks or teacher_onloader is not None else _task_scores(tasks, teacher, tokenizer)
     task_before = _task_scores(tasks, student, tokenizer) if tasks else None
     tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
@@ -121,7 +144,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
               "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
               "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
     if evaluation is not None:
-        record["perplexity"] = perplexity_record(base, before, _nll(done.model, evaluation))
+        record["perplexity"] = {**perplexity_record(base, before, _nll(done.model, evaluation)),
+                                **divergence_record(kl_before, held_out_kl(teacher, done.model, whole))}
     if tasks:
         record["tasks"] = tasks_record(task_base, task_before, _task_scores(tasks, done.model, tokenizer), tasks.seed)
     return Recovered(done.model, record)
@@ -159,6 +183,16 @@ def perplexity_record(base, before, after, n_boot: int = 1000) -> dict:
     won = math.log(ppl["pruned"]) - math.log(ppl["recovered"])
     return {**ppl, "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high,
             "damage_recovered": won / lost if lost > 0 else None}
+
+
+def divergence_record(before: float | None, after: float | None) -> dict:
+    """KL(teacher || model) per token on the evaluation windows, pruned and recovered, and the share of it recovery
+    removed (1 - after / before); empty where it was not measured. Where the perplexity barely moves (a pruned
+    model already close to its base there) this says whether the student still came closer to its teacher."""
+    if before is None or after is None:
+        return {}
+    return {"kl_pruned": before, "kl_recovered": after,
+            "kl_recovered_share": 1 - after / before if before > 0 else None}
 
 
 def stage(session, result, progress: bool = True) -> None:

@@ -284,6 +284,13 @@ def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def divergence_line(p: dict) -> str:
+    """One sentence: KL(teacher || model) on the evaluation windows before and after recovery, and its share removed."""
+    share = "" if p["kl_recovered_share"] is None else f": {p['kl_recovered_share']:.0%} of it removed"
+    return (f"KL(base ‖ model) per token on the same windows: {p['kl_pruned']:.4f} (pruned) -> "
+            f"{p['kl_recovered']:.4f} (recovered){share}.")
+
+
 def recovery_text(metrics: dict) -> str | None:
     """report.md's recovery section (None without recovery)."""
     r = metrics.get("recovery")
@@ -301,6 +308,8 @@ def recovery_text(metrics: dict) -> str | None:
                   "|---|---|---|---|---|---|",
                   f"| perplexity | {p['base']:.2f} | {p['pruned']:.2f} | {p['recovered']:.2f} | {p['delta']:+.2f} "
                   f"[{p['ci_low']:+.2f}, {p['ci_high']:+.2f}] | {R} |", ""]
+        if p.get("kl_pruned") is not None:
+            lines += [divergence_line(p), ""]
     if r.get("tasks"):
         lines += ["| task | metric | base | pruned | recovered | change by recovery [95% CI] | documents |",
                   "|---|---|---|---|---|---|---|"]
