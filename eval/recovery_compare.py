@@ -1,0 +1,53 @@
+"""Two recoveries of the same run compared on the same windows: the difference of their damage recovered with its
+95% paired bootstrap interval (docs/recovery.md: is `cached` behind `resident`, or is the gap noise?).
+
+    python eval/recovery_compare.py MODEL RUN_DIR A=MODEL_DIR B=MODEL_DIR
+
+MODEL is the run's base (a shipped name), RUN_DIR a run folder eval/recovery_study.py made (its reference.json
+holds the base and pruned models' per-window NLL sums), A and B two recovered model/ folders of it. For each
+held-out domain: R of each, R_A - R_B, and the interval over 2,000 resamples of the 64 windows (the same resample
+for both: paired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pruner
+from pruner.checkpoints import loading
+from recovery_study import DOMAINS, window_nll, windows  # beside this script: python puts eval/ on the path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("run")
+    ap.add_argument("a", metavar="A=MODEL_DIR")
+    ap.add_argument("b", metavar="B=MODEL_DIR")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ref = json.loads((Path(args.run) / "reference.json").read_text())
+    tok = loading.load_tokenizer(args.model)
+    (na, pa), (nb, pb) = (x.split("=", 1) for x in (args.a, args.b))
+    ma, mb = pruner.load(pa).float(), pruner.load(pb).float()
+    print(f"| domain | R {na} | R {nb} | R {na} - R {nb} [95% CI] |")
+    print("|---|---|---|---|")
+    for d in DOMAINS:
+        w, r = windows(tok, d), ref[d]["windows"]
+        base, pruned = np.asarray(r["base"]), np.asarray(r["pruned"])
+        a, b = np.asarray(window_nll(ma, w)[0]), np.asarray(window_nll(mb, w)[0])
+        idx = np.random.default_rng(0).integers(0, len(base), (2000, len(base)))  # (resample, window)
+        lost = (pruned[idx] - base[idx]).sum(1)
+        diff = ((b[idx] - a[idx]).sum(1) / lost)[lost > 0]  # R_A - R_B = (NLL_B - NLL_A) / (NLL_pruned - NLL_base)
+        R = lambda x: (pruned.sum() - x.sum()) / (pruned.sum() - base.sum())  # noqa: E731
+        print(f"| {d} | {R(a):.2f} | {R(b):.2f} | {R(a) - R(b):+.2f} [{np.quantile(diff, 0.025):+.2f}, "
+              f"{np.quantile(diff, 0.975):+.2f}] |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
