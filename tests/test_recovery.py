@@ -39,9 +39,16 @@ def test_kl_is_zero_on_itself_and_matches_torch():
 
 
 @pytest.mark.unit
-def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(word_tokenizer):
+@pytest.mark.parametrize("route", ["head in slices", "whole logits"])
+def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(word_tokenizer, route, monkeypatch):
+    from pruner.evaluation import perplexity
     from pruner.evaluation.perplexity import sliding_windows
     from pruner.runs.recovering import held_out_kl
+
+    if route == "head in slices":
+        monkeypatch.setattr(perplexity, "LOGIT_BYTES", 4 * 64 * 3)  # 3 positions of a 64-token vocabulary a slice
+    else:
+        monkeypatch.setattr(perplexity, "_plain_head", lambda model: None)  # the model's own logits, whole
 
     teacher = tiny_model("llama").eval()  # its vocabulary holds the word tokenizer's ids
     student = copy.deepcopy(teacher)

@@ -187,6 +187,36 @@ def next_token_nll(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
     return torch.cat(out, 1) if out else hidden.new_zeros(B, 0)
 
 
+@torch.no_grad()
+def next_token_kl(teacher, model, windows: EvalWindows) -> float:
+    """Mean KL(teacher || model) per token over the next-token positions `windows`' NLL counts (causal LMs with
+    one tokenizer), one window at a time and, where both have a plain head, a slice of positions at a time (at most
+    `LOGIT_BYTES` of each model's float32 logits): with a 128k vocabulary a 2,048-token window's logits would be
+    1 GB apiece."""
+    total, count = 0.0, 0
+    for i in range(len(windows)):
+        ids, mask, lab = windows.input_ids[i:i + 1], windows.attention_mask[i:i + 1], windows.labels[i:i + 1]
+        on = lab[:, 1:] != -100                                                      # (1, T-1)
+        (ht, head_t), (hs, head_s) = _last(teacher, ids, mask), _last(model, ids, mask)
+        step = max(1, LOGIT_BYTES // (4 * head_s(hs[:, :1]).shape[-1]))
+        for a in range(0, ids.shape[1] - 1, step):
+            b = min(ids.shape[1] - 1, a + step)
+            lt = torch.log_softmax(head_t(ht[:, a:b]).float(), -1)                  # (1, b-a, V)
+            ls = torch.log_softmax(head_s(hs[:, a:b]).float(), -1).to(lt.device)
+            total += float(((lt.exp() * (lt - ls)).sum(-1) * on[:, a:b].to(lt.device)).sum())
+        count += int(on.sum())
+    return total / max(count, 1)
+
+
+def _last(model, ids, mask) -> tuple[torch.Tensor, Callable]:
+    """(last hidden states, the plain head) where the model has one, else (its logits, identity)."""
+    device = next(model.parameters()).device
+    ids, mask, head = ids.to(device), mask.to(device), _plain_head(model)
+    if head is None:
+        return forward(model, ids, mask).logits, lambda x: x
+    return forward(model.base_model, ids, mask).last_hidden_state, head
+
+
 def _plain_head(model) -> torch.nn.Module | None:
     """The LM head where the model's logits are that head applied to `base_model`'s last hidden states and nothing
     more -- `lm_head` (Llama, Mistral, Qwen, GPT-2) or `embed_out` (GPT-NeoX) -- else None: a head with a transform

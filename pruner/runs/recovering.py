@@ -24,9 +24,8 @@ import torch
 from pruner.checkpoints import loading
 from pruner.core import data, distributed, resume, runtime
 from pruner.core.host_memory import reuse_buffers
-from pruner.evaluation.perplexity import EvalWindows, paired_delta, perplexity, window_scores
+from pruner.evaluation.perplexity import EvalWindows, next_token_kl, paired_delta, perplexity, window_scores
 from pruner.recovery import data as rdata
-from pruner.recovery import loss as rloss
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
@@ -64,24 +63,10 @@ def _nll(model, windows: EvalWindows | None, batch_size: int = 8, onloader=None)
                          device="cpu" if onloader is None else onloader.device)[:2]
 
 
-@torch.no_grad()
-def held_out_kl(teacher, model, windows: EvalWindows | None, batch_size: int = 2) -> float | None:
-    """Mean KL(teacher || model) per token over the positions the evaluation windows' NLL counts: distillation's
-    own objective, on text it never trained on (None without windows, or with a teacher read a block at a time).
-    Two windows at a time: their full-vocabulary log-probabilities are the largest buffers."""
-    if windows is None:
-        return None
-    total = count = 0.0
-    for i in range(0, len(windows), batch_size):
-        ids, mask = windows.input_ids[i:i + batch_size], windows.attention_mask[i:i + batch_size]
-        on = windows.labels[i:i + batch_size, 1:] != -100                            # (b, T-1)
-        s = model(input_ids=ids.to(runtime.input_device(model)),
-                  attention_mask=mask.to(runtime.input_device(model))).logits[:, :-1]   # (b, T-1, V)
-        t = teacher(input_ids=ids.to(runtime.input_device(teacher)),
-                    attention_mask=mask.to(runtime.input_device(teacher))).logits[:, :-1].to(s.device)
-        kl, n = rloss.full_kl(s, t, on.to(s.device))
-        total, count = total + float(kl), count + float(n)
-    return total / count
+def held_out_kl(teacher, model, windows: EvalWindows | None) -> float | None:
+    """KL(teacher || model) per token on the evaluation windows: distillation's own objective, on text it never
+    trained on (None without windows, or with a teacher read a block at a time)."""
+    return None if windows is None else next_token_kl(teacher, model, windows)
 
 
 def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool,
