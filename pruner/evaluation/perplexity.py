@@ -190,18 +190,21 @@ def next_token_nll(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
 @torch.no_grad()
 def next_token_kl(teacher, model, windows: EvalWindows) -> float:
     """Mean KL(teacher || model) per token over the next-token positions `windows`' NLL counts (causal LMs with
-    one tokenizer), one window at a time and, where both have a plain head, a slice of positions at a time (at most
-    `LOGIT_BYTES` of each model's float32 logits): with a 128k vocabulary a 2,048-token window's logits would be
-    1 GB apiece."""
+    one tokenizer). As many windows at a time as keep one model's float32 logits of a batch within 4 x
+    `LOGIT_BYTES` (at least one), and, where both models have a plain head, a slice of positions at a time within
+    `LOGIT_BYTES`: with a 128k vocabulary a 2,048-token window's logits would be 1 GB apiece."""
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+    batch = max(1, 4 * LOGIT_BYTES // (4 * vocab * windows.input_ids.shape[1]))
     total, count = 0.0, 0
-    for i in range(len(windows)):
-        ids, mask, lab = windows.input_ids[i:i + 1], windows.attention_mask[i:i + 1], windows.labels[i:i + 1]
-        on = lab[:, 1:] != -100                                                      # (1, T-1)
+    for i in range(0, len(windows), batch):
+        ids, mask, lab = (x[i:i + batch] for x in (windows.input_ids, windows.attention_mask, windows.labels))
+        on = lab[:, 1:] != -100                                                      # (B, T-1)
         (ht, head_t), (hs, head_s) = _last(teacher, ids, mask), _last(model, ids, mask)
-        step = max(1, LOGIT_BYTES // (4 * head_s(hs[:, :1]).shape[-1]))
+        step = max(1, LOGIT_BYTES // (4 * len(ids) * vocab))
         for a in range(0, ids.shape[1] - 1, step):
             b = min(ids.shape[1] - 1, a + step)
-            lt = torch.log_softmax(head_t(ht[:, a:b]).float(), -1)                  # (1, b-a, V)
+            lt = torch.log_softmax(head_t(ht[:, a:b]).float(), -1)                  # (B, b-a, V)
             ls = torch.log_softmax(head_s(hs[:, a:b]).float(), -1).to(lt.device)
             total += float(((lt.exp() * (lt - ls)).sum(-1) * on[:, a:b].to(lt.device)).sum())
         count += int(on.sum())
