@@ -87,8 +87,8 @@ def window_nll(model, w) -> tuple[list[float], list[int]]:
 @torch.no_grad()
 def divergence(teacher, model, w, batch: int = 8) -> dict[str, list[float]]:
     """Per window of `w`, summed over the positions its NLL counts: the full-vocabulary KL(teacher || model) and
-    the model's entropy (nats)."""
-    kl, ent = [], []
+    the entropies (nats) of the model and of the teacher."""
+    kl, ent, ent_t = [], [], []
     model.eval()
     for i in range(0, len(w), batch):
         ids, mask = w.input_ids[i:i + batch], w.attention_mask[i:i + batch]
@@ -97,7 +97,8 @@ def divergence(teacher, model, w, batch: int = 8) -> dict[str, list[float]]:
         s = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)  # (b, T-1, V)
         kl += ((t.exp() * (t - s)).sum(-1).double() * on).sum(-1).tolist()
         ent += ((-(s.exp() * s).sum(-1)).double() * on).sum(-1).tolist()
-    return {"kl": kl, "entropy": ent}
+        ent_t += ((-(t.exp() * t).sum(-1)).double() * on).sum(-1).tolist()
+    return {"kl": kl, "entropy": ent, "entropy_teacher": ent_t}
 
 
 def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: str = "reference.json",
@@ -105,8 +106,9 @@ def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: s
     """Base and pruned NLLs on `domains` (means, and per window with the pruned model's KL to the base) and
     (`plain`) the plain-training throughput, computed once per run and kept in the run folder as `name`."""
     path = run / name
-    if path.exists() and all("windows" in v for k, v in json.loads(path.read_text()).items() if k in domains):
-        return json.loads(path.read_text())
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    if kept and all("windows" in v for k, v in kept.items() if k in domains):
+        return kept
     import pruner
     from pruner.checkpoints import loading
 
@@ -119,7 +121,7 @@ def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: s
         div = divergence(base, pruned, w)
         ref[d] = {"base": sum(b) / sum(count), "pruned": sum(p) / sum(count),
                   "windows": {"count": count, "base": b, "pruned": p, "kl_pruned": div["kl"],
-                              "entropy_pruned": div["entropy"], "entropy_base": divergence(base, base, w)["entropy"]}}
+                              "entropy_pruned": div["entropy"], "entropy_base": div["entropy_teacher"]}}
     if plain:
         ref["plain_tokens_per_second"] = plain_training(pruned)
     path.write_text(json.dumps(ref, indent=1))

@@ -212,9 +212,9 @@ def next_token_kl(teacher, model, windows: EvalWindows) -> float:
 
 
 def _last(model, ids, mask) -> tuple[torch.Tensor, Callable]:
-    """(last hidden states, the plain head) where the model has one, else (its logits, identity)."""
-    device = next(model.parameters()).device
-    ids, mask, head = ids.to(device), mask.to(device), _plain_head(model)
+    """(last hidden states, the plain head) where the model has one, else (its logits, identity); `forward` moves the
+    inputs to the model."""
+    head = _plain_head(model)
     if head is None:
         return forward(model, ids, mask).logits, lambda x: x
     return forward(model.base_model, ids, mask).last_hidden_state, head
