@@ -40,10 +40,11 @@ def test_kl_is_zero_on_itself_and_matches_torch():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("route", ["head in slices", "whole logits"])
-def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(word_tokenizer, route, monkeypatch):
+def test_one_paired_pass_gives_each_models_perplexity_and_the_mean_kl_over_the_counted_positions(
+        word_tokenizer, route, monkeypatch):
     from pruner.evaluation import perplexity
-    from pruner.evaluation.perplexity import sliding_windows
-    from pruner.runs.recovering import held_out_kl
+    from pruner.evaluation.perplexity import sliding_windows, window_scores
+    from pruner.runs.recovering import scores
 
     if route == "head in slices":
         monkeypatch.setattr(perplexity, "LOGIT_BYTES", 4 * 64 * 3)  # 3 positions of a 64-token vocabulary a slice
@@ -56,7 +57,7 @@ def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(wor
         student.lm_head.weight.mul_(0.5)  # a flatter student
     w = sliding_windows(word_tokenizer, texts(7), 16)  # the last window is short: padded, its pads unlabelled
     assert (w.labels[-1] == -100).sum() > 1
-    assert held_out_kl(teacher, teacher, w) == pytest.approx(0, abs=1e-6)
+    assert scores(teacher, teacher, w)[2] == pytest.approx(0, abs=1e-6)
     total = count = 0.0
     for ids, mask, lab in zip(w.input_ids, w.attention_mask, w.labels):  # one window, one position at a time
         t = teacher(input_ids=ids[None], attention_mask=mask[None]).logits[0].double().log_softmax(-1)
@@ -64,8 +65,14 @@ def test_held_out_kl_is_the_mean_kl_over_the_positions_the_perplexity_counts(wor
         for pos in range(len(ids) - 1):
             if lab[pos + 1] != -100:
                 total, count = total + float((t[pos].exp() * (t[pos] - s[pos])).sum()), count + 1
-    assert held_out_kl(teacher, student, w) == pytest.approx(total / count, rel=1e-4)
-    assert held_out_kl(teacher, student, None) is None
+    base, pruned, kl = scores(teacher, student, w)
+    assert kl == pytest.approx(total / count, rel=1e-4)
+    for (nll, n), model in ((base, teacher), (pruned, student)):  # what the perplexity pass of each gives
+        want, want_n = window_scores(model, w, causal=True)[:2]
+        assert torch.equal(n, want_n) and int(n.sum()) == count
+        torch.testing.assert_close(nll, want, rtol=1e-5, atol=1e-5)
+    assert scores(teacher, student, w, base=False)[0] is None
+    assert scores(teacher, student, None) == (None, None, None)
 
 
 @pytest.mark.unit

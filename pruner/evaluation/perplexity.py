@@ -187,28 +187,52 @@ def next_token_nll(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
     return torch.cat(out, 1) if out else hidden.new_zeros(B, 0)
 
 
+@dataclass(frozen=True)
+class PairScores:
+    """A teacher and a model scored together on the same windows (`pair_scores`)."""
+
+    teacher_nll: torch.Tensor  # (window,) float64: summed next-token NLL, as `window_scores`
+    model_nll: torch.Tensor    # (window,) float64
+    count: torch.Tensor        # (window,) int: the positions both count
+    kl: float                  # mean KL(teacher || model) per counted position
+
+
 @torch.no_grad()
-def next_token_kl(teacher, model, windows: EvalWindows) -> float:
-    """Mean KL(teacher || model) per token over the next-token positions `windows`' NLL counts (causal LMs with
-    one tokenizer). As many windows at a time as keep one model's float32 logits of a batch within 4 x
-    `LOGIT_BYTES` (at least one), and, where both models have a plain head, a slice of positions at a time within
-    `LOGIT_BYTES`: with a 128k vocabulary a 2,048-token window's logits would be 1 GB apiece."""
+def pair_scores(teacher, model, windows: EvalWindows) -> PairScores:
+    """Both models' per-window next-token NLL and the mean KL(teacher || model) per counted position, from one
+    pass of each over `windows` (causal LMs with one tokenizer): what `window_scores` of each and a separate
+    divergence pass would give, with each model run once instead of twice.
+
+    As many windows at a time as keep one model's float32 logits of a batch within 4 x `LOGIT_BYTES` (at least
+    one), and, where both models have a plain head, a slice of positions at a time within `LOGIT_BYTES`: with a
+    128k vocabulary a 2,048-token window's logits would be 1 GB apiece. Several processes split the windows.
+    """
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
     batch = max(1, 4 * LOGIT_BYTES // (4 * vocab * windows.input_ids.shape[1]))
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch):
-        ids, mask, lab = (x[i:i + batch] for x in (windows.input_ids, windows.attention_mask, windows.labels))
-        on = lab[:, 1:] != -100                                                      # (B, T-1)
+    mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)
+    rows: dict[str, list] = {"teacher": [], "model": [], "count": [], "kl": []}
+    for idx in mine.split(batch):
+        ids, mask, lab = windows.input_ids[idx], windows.attention_mask[idx], windows.labels[idx]
+        target = lab[:, 1:]                                                          # (B, T-1)
         (ht, head_t), (hs, head_s) = _last(teacher, ids, mask), _last(model, ids, mask)
+        sums = torch.zeros(3, len(idx), dtype=torch.float64)                         # teacher, model, KL
         step = max(1, LOGIT_BYTES // (4 * len(ids) * vocab))
         for a in range(0, ids.shape[1] - 1, step):
             b = min(ids.shape[1] - 1, a + step)
             lt = torch.log_softmax(head_t(ht[:, a:b]).float(), -1)                  # (B, b-a, V)
             ls = torch.log_softmax(head_s(hs[:, a:b]).float(), -1).to(lt.device)
-            total += float(((lt.exp() * (lt - ls)).sum(-1) * on[:, a:b].to(lt.device)).sum())
-        count += int(on.sum())
-    return total / max(count, 1)
+            on = (target[:, a:b] != -100).to(lt.device)                              # (B, b-a)
+            y = target[:, a:b].clamp_min(0).to(lt.device)[..., None]
+            per = torch.stack([-lt.gather(-1, y)[..., 0], -ls.gather(-1, y)[..., 0], (lt.exp() * (lt - ls)).sum(-1)])
+            sums += (per * on).sum(-1).double().cpu()
+        for key, x in zip(("teacher", "model", "kl"), sums):
+            rows[key].append(x)
+        rows["count"].append((target != -100).sum(-1))
+    cat = {k: torch.cat(v) if v else None for k, v in rows.items()}  # (a process may hold no windows)
+    got = {k: distributed.gather_rows(v, len(windows)) for k, v in cat.items()}
+    kl = float(got["kl"].sum()) / max(int(got["count"].sum()), 1)
+    return PairScores(got["teacher"], got["model"], got["count"], kl)
 
 
 def _last(model, ids, mask) -> tuple[torch.Tensor, Callable]:

@@ -24,7 +24,7 @@ import torch
 from pruner.checkpoints import loading
 from pruner.core import data, distributed, resume, runtime
 from pruner.core.host_memory import reuse_buffers
-from pruner.evaluation.perplexity import EvalWindows, next_token_kl, paired_delta, perplexity, window_scores
+from pruner.evaluation.perplexity import EvalWindows, pair_scores, paired_delta, perplexity, window_scores
 from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
@@ -56,17 +56,22 @@ def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None)
     return n_train, n_val
 
 
-def _nll(model, windows: EvalWindows | None, batch_size: int = 8, onloader=None):
-    if windows is None:
-        return None
+def _nll(model, windows: EvalWindows, batch_size: int = 8, onloader=None):
     return window_scores(model, windows, batch_size, causal=True, onloader=onloader,
                          device="cpu" if onloader is None else onloader.device)[:2]
 
 
-def held_out_kl(teacher, model, windows: EvalWindows | None) -> float | None:
-    """KL(teacher || model) per token on the evaluation windows: distillation's own objective, on text it never
-    trained on (None without windows, or with a teacher read a block at a time)."""
-    return None if windows is None else next_token_kl(teacher, model, windows)
+def scores(teacher, model, windows: EvalWindows | None, teacher_onloader=None, base: bool = True):
+    """On the evaluation windows: (the teacher's (NLL, count), or None without `base`; the model's (NLL, count);
+    KL(teacher || model) per token -- distillation's own objective, on text it never trained on), from one pass of
+    each model. A teacher read a block at a time (`teacher_onloader`) has no logits whole: its NLL from a pass of
+    its own, no KL. All None without windows."""
+    if windows is None:
+        return None, None, None
+    if teacher_onloader is not None:
+        return _nll(teacher, windows, onloader=teacher_onloader) if base else None, _nll(model, windows), None
+    p = pair_scores(teacher, model, windows)
+    return (p.teacher_nll, p.count) if base else None, (p.model_nll, p.count), p.kl
 
 
 def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path | None, progress: bool,
@@ -114,9 +119,7 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
                                   options.progress)
     else:
         windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
-    base, before = _nll(teacher, evaluation, onloader=teacher_onloader), _nll(student, evaluation)
-    whole = evaluation if teacher_onloader is None else None  # a teacher read a block at a time: no logits whole
-    kl_before = held_out_kl(teacher, student, whole)
+    base, before, kl_before = scores(teacher, student, evaluation, teacher_onloader)
     task_base = None if not tasks or teacher_onloader is not None else _task_scores(tasks, teacher, tokenizer)
     task_before = _task_scores(tasks, student, tokenizer) if tasks else None
     tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
@@ -129,8 +132,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
               "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
               "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
     if evaluation is not None:
-        record["perplexity"] = {**perplexity_record(base, before, _nll(done.model, evaluation)),
-                                **divergence_record(kl_before, held_out_kl(teacher, done.model, whole))}
+        _, after, kl_after = scores(teacher, done.model, evaluation, teacher_onloader, base=False)
+        record["perplexity"] = {**perplexity_record(base, before, after), **divergence_record(kl_before, kl_after)}
     if tasks:
         record["tasks"] = tasks_record(task_base, task_before, _task_scores(tasks, done.model, tokenizer), tasks.seed)
     return Recovered(done.model, record)
