@@ -53,6 +53,10 @@ def test_a_windows_text_depends_on_the_seed_and_its_index_not_on_the_batch():
     assert torch.equal(rdata.sample(teacher, 1, 6, 12, seed=3, batch_size=2), whole)
     assert torch.equal(rdata.sample(teacher, 1, 4, 12, seed=3), whole[:4])  # fewer windows: the same first ones
     assert not torch.equal(rdata.sample(teacher, 1, 6, 12, seed=4), whole)
+    u = torch.rand(6, 11, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():  # each token: the draw from the whole prefix's logits, no KV cache
+        for t in range(11):
+            assert torch.equal(whole[:, t + 1], rdata.draw(teacher(input_ids=whole[:, :t + 1]).logits[:, -1], u[:, t]))
 
 
 @pytest.mark.unit

@@ -17,14 +17,13 @@ import hashlib
 import json
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from pruner.core import arch, assets, data
+from pruner.core import arch, assets, data, runtime
 from pruner.recovery.spec import GENERATED, RecoverySpec
 
 MAX_VALIDATION = 32  # windows: enough for a stable mean KL, cheap enough to measure often
@@ -148,6 +147,7 @@ def sample(teacher, start: int, n: int, length: int, seed: int, temperature: flo
     u = torch.rand(n, length - 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     batch_size = batch_size or generation_batch(teacher, length, n)
     device = next(teacher.parameters()).device
+    name = "cache" if "cache" in runtime.forward_parameters(type(teacher)) else "past_key_values"  # 5.x renamed it
     out = []
     bar = tqdm(total=n * (length - 1), desc="generating recovery text", unit="tok", disable=not progress)
     for i in range(0, n, batch_size):
@@ -155,10 +155,8 @@ def sample(teacher, start: int, n: int, length: int, seed: int, temperature: flo
         ids = torch.full((b, length), start, dtype=torch.long)                                  # (b, length)
         cache = None
         for t in range(length - 1):
-            with warnings.catch_warnings():  # transformers 5.x renames the cache argument; both read it
-                warnings.simplefilter("ignore", FutureWarning)
-                o = teacher(input_ids=ids[:, t:t + 1].to(device), past_key_values=cache, use_cache=True)
-            cache = o.past_key_values
+            o = teacher(input_ids=ids[:, t:t + 1].to(device), use_cache=True, **{name: cache})
+            cache = getattr(o, name)
             ids[:, t + 1] = draw(o.logits[:, -1], u[i:i + b, t], temperature)
             bar.update(b)
         out.append(ids)
