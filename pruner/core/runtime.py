@@ -62,8 +62,9 @@ def forward_parameters(cls) -> frozenset[str]:
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
     """One forward pass that is invariant to the padding side (explicit position ids), inputs moved to the model.
 
-    No KV cache: pruner never generates, and a cache would keep every layer's keys and
-    values alive until the pass returns (GPT-2 small, 8 x 1024 tokens: 0.6 GiB).
+    No KV cache: these passes score whole windows (only recovery's text generation, which runs its
+    own loop, decodes), and a cache would keep every layer's keys and values alive until the pass
+    returns (GPT-2 small, 8 x 1024 tokens: 0.6 GiB).
     """
     device = input_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
