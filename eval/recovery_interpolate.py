@@ -28,11 +28,11 @@ def validation_windows(run: Path, spec):
     from pruner.recovery import data as rdata
 
     n_train, n_val = rdata.counts(spec)
-    sets = [p for p in (run / "recovery-cache").glob("generated-*.pt")
-            if len(torch.load(p, weights_only=True)) == n_train + n_val]
+    loaded = (torch.load(p, weights_only=True) for p in (run / "recovery-cache").glob("generated-*.pt"))
+    sets = [ids for ids in loaded if len(ids) == n_train + n_val]
     if len(sets) != 1:
         raise SystemExit(f"{run}/recovery-cache: {len(sets)} generated sets of {n_train + n_val} windows, not one")
-    ids = torch.load(sets[0], weights_only=True)[:n_val]
+    ids = sets[0][:n_val]
     batch = data.TokenBatch(ids, torch.ones_like(ids))
     return rdata.Windows(batch, batch, rdata.GENERATED, 1.0)
 
