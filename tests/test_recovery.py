@@ -201,15 +201,34 @@ def test_a_recovery_that_cannot_help_keeps_the_pruned_weights(word_tokenizer):
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.integration
+def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(word_tokenizer):
+    from pruner.recovery.train import BACKOFF, DRIFT
+
+    teacher, student, _ = pair()
+    run = lambda restarts: pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(),  # noqa: E731
+                                          progress=False, **{**QUICK, "lr": 1e-2, "restarts": restarts}).record
+    stuck, restarted = run(0), run(2)
+    assert stuck["restarts"] == [] and stuck["kept"] == "pruned"  # 1e-2 throws this student off for good
+    history = dict((k, v) for k, v in restarted["validation_history"])
+    assert restarted["restarts"] == [[2, pytest.approx(1e-2 * BACKOFF)]]  # once: the passes after it stay below 2x
+    assert history[2] > DRIFT * restarted["validation_kl_pruned"] and history[2] == dict(stuck["validation_history"])[2]
+    assert restarted["lr"] == pytest.approx(1e-2 * BACKOFF) and "restarted from the pruned weights" in restarted["note"]
+    assert restarted["kept"] == "recovered" and restarted["validation_kl_best"] < restarted["validation_kl_pruned"]
+
+
 class Killed(Exception):
     pass
 
 
 @pytest.mark.integration
-def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkeypatch):
-    opts = {**QUICK, "save_every": 128, "progress": False}
+@pytest.mark.parametrize("lr", [1e-3, 1e-2])  # 1e-2: restarted at step 2, so the checkpoint holds the restarted AdamW
+def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkeypatch, lr):
+    opts = {**QUICK, "save_every": 128, "progress": False, "lr": lr}
     teacher, student, _ = pair()
-    whole = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), **opts).model
+    whole = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), **opts)
+    assert len(whole.record["restarts"]) == (lr > 5e-3)
+    whole = whole.model
 
     def point(name: str) -> None:
         if name == "recovery:5":

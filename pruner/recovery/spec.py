@@ -30,6 +30,9 @@ class RecoverySpec(BaseModel):
     batch_size: int = Field(8, ge=1, description="windows per optimizer step (over all processes)")
     lr: float | None = Field(None, gt=0, description="peak learning rate (default: full and attention 1e-4, lora "
                                                      "1e-3)")
+    restarts: int = Field(2, ge=0, description="times a run that drifted (a validation pass more than twice the "
+                                               "pruned model's KL before any pass beat it) restarts from the pruned "
+                                               "weights at the learning rate / sqrt(10), for the steps left")
     warmup: float = Field(0.05, ge=0, lt=1, description="fraction of the steps the learning rate warms up over")
     schedule: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
     weight_decay: float = Field(0.0, ge=0)

@@ -16,6 +16,16 @@ memory for weights, gradients and AdamW state.
 The guard: the validation KL is measured before the first step (the pruned model's), every
 `eval_every` tokens and at the end; the best weights are kept, and when no step improves
 on the pruned model the pruned weights are kept and the record says so.
+
+Restarts: AdamW's first steps move every weight by about the learning rate whatever its
+gradient's size, so a student already close to its teacher can be thrown further off than
+recovery could ever win back. A pass more than `DRIFT` times the pruned model's validation KL,
+before any pass beat it, is that: the student is then further from the teacher than the pruned
+model by more than the pruned model's whole distance. The run goes back to the pruned weights
+and a fresh AdamW at the learning rate x `BACKOFF`, its schedule over the steps left (on the
+windows it had not reached: the token budget stays the budget), at most `recovery.restarts`
+times. Chosen on the validation slice only (docs/recovery.md: every run of the learning-rate
+table that drifted past 2x kept the pruned weights; every one that stayed below 1.8x recovered).
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from pruner.recovery.spec import RecoverySpec
 from pruner.recovery.teacher import forward_logits
 
 STAGE = "recovery"
+DRIFT = 2.0  # a pass above DRIFT x the pruned model's validation KL, before any beat it, restarts the run
+BACKOFF = 10 ** -0.5  # each restart's learning rate: the last one's / sqrt(10) (1e-4 -> 3.2e-5 -> 1e-5)
 
 
 @dataclass
@@ -98,11 +110,11 @@ def validation_kl(model, targets, windows: Windows, spec: RecoverySpec, offset: 
     return float(_all_sum(total) / _all_sum(count).clamp_min(1))
 
 
-def _optimizer(model, spec: RecoverySpec, steps: int):
+def _optimizer(model, spec: RecoverySpec, lr: float, steps: int):
+    """A fresh AdamW at `lr` and its schedule over `steps` steps."""
     from transformers import get_scheduler
 
     params = list(methods.trainable(model).values())
-    lr = spec.peak_lr()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay, foreach=False)
     sched = get_scheduler(spec.schedule, opt, num_warmup_steps=int(spec.warmup * steps), num_training_steps=steps)
     return opt, sched
@@ -147,18 +159,22 @@ def _state(model, opt, sched, k: int, guard: dict) -> dict:
                               "scheduler": sched.state_dict(), "guard": guard})
 
 
-def _resume(model, opt, sched, checkpoints: resume.Checkpoints) -> tuple[int, dict | None]:
-    """(first step, guard) from a saved checkpoint, or (0, None) for a fresh start."""
+def _resume(model, spec: RecoverySpec, steps: int, checkpoints: resume.Checkpoints):
+    """(first step, guard, AdamW, schedule) from a saved checkpoint (after a restart: the restarted
+    optimizer's), or (0, None, fresh AdamW, schedule) for a fresh start."""
     saved = checkpoints.load(STAGE)
+    guard = saved["guard"] if saved is not None else None
+    lr, since = (guard["lr"], guard["since"]) if guard else (spec.peak_lr(), 0)
+    opt, sched = _optimizer(model, spec, lr, steps - since)
     if saved is None:
-        return 0, None
+        return 0, None, opt, sched
     params = methods.trainable(model)
     as_params = lambda ws: {n: sharding.like(w, params[n]) for n, w in ws.items()}  # noqa: E731  (shards: DTensors)
     _load_weights(model, as_params(saved["weights"]))
     saved["guard"]["best_weights"] = as_params(saved["guard"]["best_weights"])
     opt.load_state_dict(sharding.optimizer_state(saved["optimizer"], list(params.values())))
     sched.load_state_dict(saved["scheduler"])
-    return saved["step"], saved["guard"]
+    return saved["step"], guard, opt, sched
 
 
 def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict, k: int) -> None:
@@ -167,6 +183,29 @@ def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict,
     guard["history"].append([k, v])
     if v < guard["best"]:
         guard.update(best=v, best_step=k, best_weights=_weights(model))
+
+
+def drifted(guard: dict, spec: RecoverySpec) -> bool:
+    """Whether the last pass found the student thrown off (module docstring) with a restart left."""
+    return (len(guard["restarts"]) < spec.restarts and guard["best_step"] == 0
+            and guard["history"][-1][1] > DRIFT * guard["pruned"])
+
+
+def _restart(model, spec: RecoverySpec, guard: dict, k: int, steps: int):
+    """Back to the pruned weights (the guard's best: no pass beat them) with a fresh AdamW at a lower
+    learning rate, its schedule over the steps after `k`. Returns (AdamW, schedule)."""
+    _load_weights(model, guard["best_weights"])
+    guard.update(lr=guard["lr"] * BACKOFF, since=k)
+    guard["restarts"].append([k, guard["lr"]])
+    return _optimizer(model, spec, guard["lr"], steps - k)
+
+
+def _restart_note(guard: dict) -> str:
+    first = guard["restarts"][0][0]
+    v = dict((k, v) for k, v in guard["history"])[first]
+    lrs = ", ".join(f"{lr:.2g} at step {k}" for k, lr in guard["restarts"])
+    return (f"validation KL {v:.4f} after step {first}, more than {DRIFT:g}x the pruned model's "
+            f"({guard['pruned']:.4f}): restarted from the pruned weights at learning rate {lrs}")
 
 
 def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options | None = None) -> Trained:
@@ -182,11 +221,11 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
         sharding.shard(model)
     steps = len(windows.train) // spec.batch_size
     every, save_every = cadence(spec, steps)
-    opt, sched = _optimizer(model, spec, steps)
-    start, guard = _resume(model, opt, sched, options.checkpoints)
+    start, guard, opt, sched = _resume(model, spec, steps, options.checkpoints)
     if guard is None:
         v0 = validation_kl(model, targets, windows, spec, len(windows.train))
-        guard = {"pruned": v0, "best": v0, "best_step": 0, "best_weights": _weights(model), "history": [[0, v0]]}
+        guard = {"pruned": v0, "best": v0, "best_step": 0, "best_weights": _weights(model), "history": [[0, v0]],
+                 "lr": spec.peak_lr(), "since": 0, "restarts": []}
     model.eval()  # no dropout: the data order is the only randomness
     bar = tqdm(total=steps, initial=start, desc="recovery", unit="step", disable=not options.progress)
     t0, last = time.perf_counter(), float("nan")
@@ -197,6 +236,10 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
         done = k + 1
         if done % every == 0 or done == steps:
             _validate(model, targets, windows, spec, guard, done)
+            if done < steps and drifted(guard, spec):
+                opt, sched = _restart(model, spec, guard, done, steps)
+                if options.progress and distributed.is_main():
+                    bar.write(f"recovery: {_restart_note(guard)}")
         rate = (done - start) * spec.window_tokens / max(time.perf_counter() - t0, 1e-9)
         bar.update(1)
         bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{last:.4f}", val_kl=f"{guard['history'][-1][1]:.4f}")
@@ -212,10 +255,14 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     record = {"steps": steps, "steps_run": steps - start, "tokens": steps * spec.window_tokens,
               "validation_kl_pruned": guard["pruned"], "validation_kl_best": guard["best"],
               "best_step": guard["best_step"], "validation_history": guard["history"],
+              "lr": guard["lr"], "restarts": guard["restarts"],
               "kept": "recovered" if improved else "pruned", "last_loss": last,
               "seconds": round(seconds, 2),
               "tokens_per_second": round((steps - start) * spec.window_tokens / max(seconds, 1e-9), 1)}
+    notes = [_restart_note(guard)] if guard["restarts"] else []
     if not improved:
-        record["note"] = (f"recovery did not improve the validation KL of the pruned model "
-                          f"({guard['pruned']:.4f}): the pruned weights are kept")
+        notes.append(f"recovery did not improve the validation KL of the pruned model "
+                     f"({guard['pruned']:.4f}): the pruned weights are kept")
+    if notes:
+        record["note"] = "; ".join(notes)
     return Trained(methods.finish(model, spec.method), record)
