@@ -166,6 +166,7 @@ def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
               "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
+              "validation_history": m.get("validation_history"), "restarts": m.get("restarts", []),
               "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1)}
     for d in DOMAINS:
         w = windows(tok, d)

@@ -25,7 +25,7 @@ model by more than the pruned model's whole distance. The run goes back to the p
 and a fresh AdamW at the learning rate x `BACKOFF`, its schedule over the steps left (on the
 windows it had not reached: the token budget stays the budget), at most `recovery.restarts`
 times. Chosen on the validation slice only (docs/recovery.md: every run of the learning-rate
-table that drifted past 2x kept the pruned weights; every one that stayed below 1.8x recovered).
+table whose first pass went past 2x never came back below the pruned model; most below 2x did).
 """
 
 from __future__ import annotations
