@@ -206,8 +206,9 @@ def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(w
     from pruner.recovery.train import BACKOFF, DRIFT
 
     teacher, student, _ = pair()
-    run = lambda restarts: pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(),  # noqa: E731
-                                          progress=False, **{**QUICK, "lr": 1e-2, "restarts": restarts}).record
+    run = lambda restarts, lr=1e-2: pruner.recover(  # noqa: E731
+        copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
+        **{**QUICK, "lr": lr, "restarts": restarts}).record
     stuck, restarted = run(0), run(2)
     assert stuck["restarts"] == [] and stuck["kept"] == "pruned"  # 1e-2 throws this student off for good
     history = dict((k, v) for k, v in restarted["validation_history"])
@@ -215,6 +216,9 @@ def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(w
     assert history[2] > DRIFT * restarted["validation_kl_pruned"] and history[2] == dict(stuck["validation_history"])[2]
     assert restarted["lr"] == pytest.approx(1e-2 * BACKOFF) and "restarted from the pruned weights" in restarted["note"]
     assert restarted["kept"] == "recovered" and restarted["validation_kl_best"] < restarted["validation_kl_pruned"]
+    capped = run(1, lr=3e-2)  # still thrown off after its one restart: no second one
+    after = [v for k, v in capped["validation_history"] if k > capped["restarts"][0][0]]
+    assert len(capped["restarts"]) == 1 and max(after) > DRIFT * capped["validation_kl_pruned"]
 
 
 class Killed(Exception):
