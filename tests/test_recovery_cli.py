@@ -56,9 +56,13 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
 
     out = tmp_path / "rec"
     assert main(["recover", str(llama_run), "--out", str(out), *SMALL]) == 0
-    assert "damage recovered R" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "damage recovered R" in said
     m = json.loads((out / "metrics.json").read_text())
     r = m["recovery"]
+    from pruner.runs.report import verdict_line
+
+    assert verdict_line(r["perplexity"]) in said and verdict_line(r["perplexity"]) in (out / "report.md").read_text()
     assert r["data"] == "generated" and r["tokens"] == 2048 and r["method"] == "full"
     assert list((llama_run / "recovery-cache").glob("generated-*.pt"))  # the teacher's text, kept in the run
     p = r["perplexity"]
@@ -198,3 +202,12 @@ def test_bad_input_is_one_line_before_training_and_writes_nothing(llama_run, tmp
     assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
     assert "recovery:" not in capsys.readouterr().err  # no progress: refused before training
     assert not out.exists() and not (tmp_path / ".out.partial").exists()
+
+
+@pytest.mark.parametrize("low, high, says", [(-0.5, -0.1, "lowered"), (0.1, 0.5, "raised"), (-0.1, 0.2, "within noise")])
+def test_the_verdict_on_the_evaluation_perplexity_follows_the_interval(low, high, says):
+    from pruner.runs.report import verdict_line
+
+    line = verdict_line({"ci_low": low, "ci_high": high})
+    assert says in line and "\n" not in line
+    assert ("pruned model is better" in line) == (says == "raised")  # the one case that tells the user to keep it

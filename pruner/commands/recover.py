@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(r: dict, out) -> str:
-    from pruner.runs.report import divergence_line
+    from pruner.runs.report import divergence_line, verdict_line
 
     lines = [f"\nrecovery ({r['method']}, teacher {r['teacher']}, data {r['data']}): {r['tokens']:,} tokens in "
              f"{r['seconds']:.0f} s ({r['tokens_per_second']:.0f} tokens/s); validation KL "
@@ -67,6 +67,7 @@ def summary(r: dict, out) -> str:
         lines.append(f"perplexity base {p['base']:.2f}, pruned {p['pruned']:.2f}, recovered {p['recovered']:.2f} "
                      f"(change {p['delta']:+.2f}, 95% CI [{p['ci_low']:+.2f}, {p['ci_high']:+.2f}]); damage "
                      f"recovered R = {R}")
+        lines.append(verdict_line(p))
         if p.get("kl_pruned") is not None:
             lines.append(divergence_line(p))
     if r.get("note"):

@@ -291,6 +291,19 @@ def divergence_line(p: dict) -> str:
             f"{p['kl_recovered']:.4f} (recovered){share}.")
 
 
+def verdict_line(p: dict) -> str:
+    """One sentence on the paired change recovery made to the evaluation perplexity: beyond noise or not.
+
+    Said, never acted on: the evaluation windows judge recovery, they do not choose its weights (the guard
+    chooses on the held-back recovery windows), so a recovery that made this text worse is reported as such."""
+    if p["ci_high"] < 0:
+        return "Recovery lowered the evaluation perplexity beyond noise (the 95% interval is below 0)."
+    if p["ci_low"] > 0:
+        return ("Recovery raised the evaluation perplexity beyond noise (the 95% interval is above 0): on this text "
+                "the pruned model is better; recovery data from this domain (`--data`) may serve it better.")
+    return "The change recovery made to the evaluation perplexity is within noise (the 95% interval holds 0)."
+
+
 def recovery_text(metrics: dict) -> str | None:
     """report.md's recovery section (None without recovery)."""
     r = metrics.get("recovery")
@@ -307,7 +320,7 @@ def recovery_text(metrics: dict) -> str | None:
         lines += ["| | base | pruned | recovered | change by recovery [95% CI] | damage recovered R |",
                   "|---|---|---|---|---|---|",
                   f"| perplexity | {p['base']:.2f} | {p['pruned']:.2f} | {p['recovered']:.2f} | {p['delta']:+.2f} "
-                  f"[{p['ci_low']:+.2f}, {p['ci_high']:+.2f}] | {R} |", ""]
+                  f"[{p['ci_low']:+.2f}, {p['ci_high']:+.2f}] | {R} |", "", verdict_line(p), ""]
         if p.get("kl_pruned") is not None:
             lines += [divergence_line(p), ""]
     if r.get("tasks"):
