@@ -211,7 +211,7 @@ def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(w
         **{**QUICK, "lr": lr, "restarts": restarts}).record
     stuck, restarted = run(0), run(2)
     assert stuck["restarts"] == [] and stuck["kept"] == "pruned"  # 1e-2 throws this student off for good
-    history = dict((k, v) for k, v in restarted["validation_history"])
+    history = dict(restarted["validation_history"])
     assert restarted["restarts"] == [[2, pytest.approx(1e-2 * BACKOFF)]]  # once: the passes after it stay below 2x
     assert history[2] > DRIFT * restarted["validation_kl_pruned"] and history[2] == dict(stuck["validation_history"])[2]
     assert restarted["lr"] == pytest.approx(1e-2 * BACKOFF) and "restarted from the pruned weights" in restarted["note"]

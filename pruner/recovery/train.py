@@ -202,7 +202,7 @@ def _restart(model, spec: RecoverySpec, guard: dict, k: int, steps: int):
 
 def _restart_note(guard: dict) -> str:
     first = guard["restarts"][0][0]
-    v = dict((k, v) for k, v in guard["history"])[first]
+    v = dict(guard["history"])[first]
     lrs = ", ".join(f"{lr:.2g} at step {k}" for k, lr in guard["restarts"])
     return (f"validation KL {v:.4f} after step {first}, more than {DRIFT:g}x the pruned model's "
             f"({guard['pruned']:.4f}): restarted from the pruned weights at learning rate {lrs}")
