@@ -182,6 +182,8 @@ BAD = {
     "teacher not the run's base": (changed_base, "the base is not the one"),
     "disk too small for the cache": (lambda run, tmp: (run, ["--set", "recovery.teacher=cached"]),
                                      "GiB is free"),
+    "memory too small for the method": (lambda run, tmp: (run, ["--set", "recovery.method=full"]),
+                                        "not enough memory for recovery (full)"),
 }
 
 
@@ -196,9 +198,15 @@ def test_bad_input_is_one_line_before_training_and_writes_nothing(llama_run, tmp
 
         usage = collections.namedtuple("usage", "total used free")
         monkeypatch.setattr(teacher.shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1 << 20))
+    if case == "memory too small for the method":
+        from pruner.runs import recovery_memory
+
+        monkeypatch.setattr(recovery_memory, "available_memory", lambda device: 1 << 20)
     out = tmp_path / "out"
     rc = main(["recover", str(run), "--out", str(out), *SMALL, *extra])
     err = capsys.readouterr().err.strip()
+    if case == "memory too small for the method":  # checked on the loaded models: transformers' loading bars first
+        err = "\n".join(line for line in err.splitlines() if not line.startswith("Loading weights")).strip()
     assert rc == 2 and len(err.splitlines()) == 1 and message in err, err
     assert "recovery:" not in capsys.readouterr().err  # no progress: refused before training
     assert not out.exists() and not (tmp_path / ".out.partial").exists()

@@ -47,9 +47,11 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
     ("shakespeare:train", a .txt file or folder, a Hub id) or texts in memory. `options`: the recipe's
     `recovery` keys (`method="lora"`, `tokens=262144`, ...; `teacher_mode="cached"` for `recovery.teacher`). A
     dense student's all-zero output-projection head columns (its pruned heads) stay zero. `eval_data`: texts or a
-    source to measure perplexity on before and after (never trained on). `checkpoint_dir`: checkpoints
+    source to measure perplexity on before and after (never trained on). A teacher named (not an object you
+    hold) is freed while a `cached` one's student trains. `checkpoint_dir`: checkpoints
     every `save_every` tokens; a call with the same setup continues from them. Returns a `Recovery`.
     """
+    named = teacher if isinstance(teacher, (str, Path)) else None  # read again after a cached teacher's training
     student, teacher = _model(student), _model(teacher)
     if tokenizer is None:
         if not isinstance(teacher, (str, Path)) and not getattr(teacher, "name_or_path", ""):
@@ -69,5 +71,6 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
     checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
         Path(checkpoint_dir), resume.fingerprint("recover", spec.model_dump(mode="json"), {}, {}), None, None)
     done = recovering.recover_models(student.float(), teacher, tokenizer, spec, evaluation=windows,
-                                     options=Options(checkpoints, methods.zero_heads(student), progress), texts=texts)
+                                     options=Options(checkpoints, methods.zero_heads(student), progress), texts=texts,
+                                     reload_teacher=None if named is None else lambda: _model(named))
     return Recovery(done.model, done.record)

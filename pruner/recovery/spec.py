@@ -17,9 +17,10 @@ class RecoverySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
     enabled: bool = Field(False, description="`pruner prune` recovers after the surgery (pruner recover always does)")
-    method: str = Field("full", description="full: every kept weight; lora: PEFT LoRA on the attention and MLP "
-                                            "projections, merged at the end; attention: only the kept heads' "
-                                            "projections")
+    method: str | None = Field(None, description="full: every kept weight; lora: PEFT LoRA on the attention and "
+                                                 "MLP projections, merged at the end; attention: only the kept "
+                                                 "heads' projections; unset: full where the student's training "
+                                                 "state and the teacher fit the free memory, else lora")
     tokens: int = Field(65536, ge=1, description="training token budget (real, non-pad tokens)")
     data: str = Field(GENERATED, min_length=1, description="generated (text the teacher samples, cached in the run "
                                                            "folder) or any data source the recipes accept")
@@ -59,7 +60,7 @@ class RecoverySpec(BaseModel):
 
     @model_validator(mode="after")
     def _method(self):
-        if self.method not in METHODS:
+        if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown recovery method {self.method!r}; valid: {', '.join(METHODS)}")
         if self.fsdp and self.method == "lora":
             raise ValueError("recovery.fsdp shards full and attention training; lora's adapters are small enough "

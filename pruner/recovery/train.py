@@ -164,6 +164,9 @@ def _resume(model, spec: RecoverySpec, steps: int, checkpoints: resume.Checkpoin
     optimizer's), or (0, None, fresh AdamW, schedule) for a fresh start."""
     saved = checkpoints.load(STAGE)
     guard = saved["guard"] if saved is not None else None
+    if guard and guard.get("method", spec.method) != spec.method:  # an unset method is decided by free memory
+        raise RecoveryError(f"the recovery to resume trained with method {guard['method']}, this one would train "
+                            f"with {spec.method}: set recovery.method: {guard['method']} to resume it")
     lr, since = (guard["lr"], guard["since"]) if guard else (spec.peak_lr(), 0)
     opt, sched = _optimizer(model, spec, lr, steps - since)
     if saved is None:
@@ -225,7 +228,7 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     if guard is None:
         v0 = validation_kl(model, targets, windows, spec, len(windows.train))
         guard = {"pruned": v0, "best": v0, "best_step": 0, "best_weights": _weights(model), "history": [[0, v0]],
-                 "lr": spec.peak_lr(), "since": 0, "restarts": []}
+                 "lr": spec.peak_lr(), "since": 0, "restarts": [], "method": spec.method}
     model.eval()  # no dropout: the data order is the only randomness
     bar = tqdm(total=steps, initial=start, desc="recovery", unit="step", disable=not options.progress)
     t0, last = time.perf_counter(), float("nan")

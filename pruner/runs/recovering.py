@@ -12,6 +12,7 @@ the output folder is written only when the recovery is complete.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from pruner.checkpoints import loading
 from pruner.core import data, distributed, resume, runtime
@@ -30,7 +32,7 @@ from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
 from pruner.runs import folders as runs
-from pruner.runs import provenance
+from pruner.runs import provenance, recovery_memory
 from pruner.runs.context import sequential_folder
 
 CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
@@ -97,13 +99,16 @@ def check_layerwise_teacher(spec: RecoverySpec) -> None:
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
                    folders: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
                    identity: dict | None = None, texts: list[str] | None = None, tasks=None,
-                   teacher_onloader=None) -> Recovered:
+                   teacher_onloader=None, reload_teacher=None) -> Recovered:
     """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
     `evaluation` when given, and the downstream `tasks` (a `TaskSpec`) of the base, pruned and recovered models
     when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
     recovery text given in memory (instead of `spec.data`). `teacher_onloader`: the teacher's blocks stay in its
     checkpoint and its passes (the cache, the base perplexity) run a block at a time (`cached` only; the base's
-    task accuracy, which needs the whole model, is then not measured)."""
+    task accuracy, which needs the whole model, is then not measured). `reload_teacher`: reads the teacher again;
+    given, a `cached` teacher's weights are freed while the student trains (the caller holds no other use of them)
+    and read again for the scores after. The method is decided and its memory checked before any text is
+    sampled (`recovery_memory`)."""
     options = options or Options()
     if teacher_onloader is None and runtime.input_device(student).type == "cpu":
         reuse_buffers()  # the same large buffers every step: reused, not mapped afresh (pruner.core.host_memory)
@@ -114,6 +119,12 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
         raise rdata.RecoveryError(f"the teacher's vocabulary ({teacher.config.vocab_size}) is not the student's "
                                   f"({student.config.vocab_size}): not the model it was pruned from")
     n_train, n_val = check(spec)
+    release = spec.teacher == "cached" and teacher_onloader is None and reload_teacher is not None
+    spec, est, choice = recovery_memory.choose(student, teacher, spec, teacher_held=not release and
+                                               teacher_onloader is None,
+                                               teacher_bytes=0 if teacher_onloader is not None else None)
+    if choice and options.progress and distributed.is_main():
+        tqdm.write(choice)
     if spec.data == GENERATED and texts is None:
         windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, folders[0], identity or {},
                                   options.progress)
@@ -125,12 +136,20 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
     try:
         targets = _targets(spec, teacher, windows, tmp, options.progress, teacher_onloader)
+        if release:  # training holds only the student: the teacher's weights go, and are read again after
+            teacher = teacher.to("meta")
+            gc.collect()
         done = train(student, targets, windows, spec, options)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if release:
+        teacher = reload_teacher()
     record = {"method": spec.method, "teacher": spec.teacher,
               "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
-              "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"), **done.record}
+              "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"),
+              "memory_estimate": est.parts, **done.record}
+    if choice:
+        record["note"] = "; ".join(filter(None, [choice, record.get("note")]))
     if evaluation is not None:
         _, after, kl_after = scores(teacher, done.model, evaluation, teacher_onloader, base=False)
         record["perplexity"] = {**perplexity_record(base, before, after), **divergence_record(kl_before, kl_after)}
@@ -193,12 +212,14 @@ def stage(session, result, progress: bool = True) -> None:
         raise rdata.RecoveryError("recovery needs the pruned model in memory; this run was pruned layer by "
                                   "layer (capture.onload): prune with onload: all, or recover later on a machine "
                                   "that holds it (`pruner recover RUN_DIR`)")
-    teacher = loading.load_base(session.recipe.model, device=distributed.local_device(session.recipe.model.device))
+    load = lambda: loading.load_base(session.recipe.model,  # noqa: E731
+                                     device=distributed.local_device(session.recipe.model.device))
     dense = result.plan.heads if session.recipe.surgery.mode == "mask" else None
     cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
-    done = recover_models(result.model, teacher, session.tokenizer, spec, evaluation=session.evaluation,
+    done = recover_models(result.model, load(), session.tokenizer, spec, evaluation=session.evaluation,
                           folders=(cache, cache and cache / TEACHER_CACHE),
-                          options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe))
+                          options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe),
+                          reload_teacher=load)
     result.model = done.model
     result.metrics["recovery"] = done.record
 
@@ -271,7 +292,8 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
         done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
                               folders=(run.folder / CACHE, tmp / TEACHER_CACHE),
                               options=Options(checkpoints, dense, progress and distributed.is_main()),
-                              identity=ident, tasks=_tasks_of(run.recipe), teacher_onloader=onloader)
+                              identity=ident, tasks=_tasks_of(run.recipe), teacher_onloader=onloader,
+                              reload_teacher=lambda: _teacher(run.recipe, None)[0])
         metrics = {**run.metrics, "recovery": done.record}
         if distributed.is_main():
             write_run(run, recipe, done.model, tokenizer, metrics, tmp)

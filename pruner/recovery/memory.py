@@ -1,0 +1,95 @@
+"""Peak memory of a recovery's training step, estimated before the teacher samples a token.
+
+A recovery that runs out of memory after the teacher has spent an hour writing its text loses
+the run, and `full` training holds five times the student's float32 weights. What one process
+holds at a training step's peak, in bytes:
+
+- the student's weights in float32 (it trains in float32 whatever its checkpoint stores);
+- for the weights it trains -- every one (`full`), the kept heads' projections (`attention`),
+  LoRA's adapters (`lora`) -- their gradients, AdamW's two moments and the guard's copy of the
+  best weights so far: 16 bytes a trained weight beside its own 4 (with FSDP, 1/N of each);
+- the teacher as loaded, when it is held (a `resident` one always; a `cached` one only where the
+  caller keeps it: `pruner recover` and `pruner prune` free its weights while the student trains);
+- one batch's activations kept for the backward pass, float32, at the teacher's width (the
+  student's is at most that): per layer the residual stream, norms and q/k/v/o
+  (`BACKWARD_PER_LAYER` x tokens x d_model), the MLP's three (tokens x d_ffn) and, on a CPU, the
+  attention weights SDPA materialises (batch x heads x T x T);
+- the logits over the vocabulary in float32: the student's, their log-probabilities, the
+  gradients of both, and with a resident teacher its logits, log-probabilities and
+  probabilities (`LOGIT_COPIES`, `TEACHER_LOGIT_COPIES` tensors of tokens x V).
+
+A process trains `ceil(batch_size / processes)` windows of each batch. The constants are set
+so that the estimate bounds the measured peaks (`eval/bench_recovery_memory.py`,
+docs/recovery.md "Memory").
+"""
+
+from __future__ import annotations
+
+import math
+
+from pruner.core import arch
+from pruner.recovery import methods
+from pruner.recovery.spec import RecoverySpec
+
+BACKWARD_PER_LAYER = 10  # (tokens, d_model) float32 tensors a block keeps for the backward pass
+LOGIT_COPIES = 4          # the student's (tokens, V) float32: logits, log-probabilities, and their gradients
+TEACHER_LOGIT_COPIES = 3  # a resident teacher's (tokens, V) float32: logits, log-probabilities, probabilities
+STATE_PER_TRAINED = 16    # bytes per trained weight beside its own: gradient, AdamW's two moments, the best copy
+
+
+def shape(teacher) -> dict[str, int]:
+    """The base model's width: layers L, heads H, d_model d, MLP width ffn, vocabulary V."""
+    g, c = arch.geometry(teacher), teacher.config
+    d = getattr(c, "hidden_size", None) or g.n_heads * g.head_dim
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
+    return {"L": g.n_layers, "H": g.n_heads, "d": d, "ffn": ffn, "V": c.vocab_size}
+
+
+def trained_weights(student, method: str, rank: int = 8) -> int:
+    """How many weights `method` trains in `student` (LoRA: its adapters, rank x (in + out) per projection)."""
+    if method == "full":
+        return sum(p.numel() for p in student.parameters())
+    if method == "attention":
+        own = tuple(methods._attention_prefixes(student))
+        return sum(p.numel() for n, p in student.named_parameters() if n.startswith(own))
+    modules = dict(student.named_modules())
+    total = 0
+    for name in methods._projections(student):
+        w = modules[name].weight  # Linear: (out, in); Conv1D: (in, out)
+        total += rank * (w.shape[0] + w.shape[1])
+    return total
+
+
+def model_bytes(model) -> int:
+    """Bytes of a model's weights and buffers as it holds them."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held: bool, processes: int = 1,
+             cpu: bool = True, teacher_bytes: int | None = None) -> dict[str, int]:
+    """Peak bytes of one process's training step, by part (module docstring). `teacher_held`: whether the
+    teacher's weights stay in this process's memory while the student trains; `teacher_bytes`: their size when
+    `teacher` is a skeleton read a block at a time (default: the teacher's own bytes)."""
+    s = shape(teacher)
+    L, H, d, ffn, V = (s[k] for k in ("L", "H", "d", "ffn", "V"))
+    rows = math.ceil(spec.batch_size / processes)
+    tokens, T = rows * spec.length, spec.length
+    shards = processes if spec.fsdp else 1
+    weights = sum(p.numel() for p in student.parameters())
+    trained = trained_weights(student, method, spec.lora_rank)
+    if method == "lora":
+        weights += trained  # the adapters beside the frozen weights
+    per_layer = BACKWARD_PER_LAYER * tokens * d + 3 * tokens * ffn + (rows * H * T * T if cpu else 0)
+    resident = spec.teacher == "resident"
+    held = teacher_bytes if teacher_bytes is not None else model_bytes(teacher)
+    return {"student": 4 * weights // shards,
+            "trained state": STATE_PER_TRAINED * trained // shards,
+            "teacher": held if (teacher_held or resident) else 0,
+            "activations": 4 * L * per_layer,
+            "logits": 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0))}
+
+
+def held_now(student, teacher, teacher_bytes: int | None = None) -> int:
+    """What is loaded already when the estimate is checked: the float32 student and the teacher."""
+    return model_bytes(student) + (teacher_bytes if teacher_bytes is not None else model_bytes(teacher))
+

@@ -1,0 +1,87 @@
+"""The recovery's memory check: the method decided and its peak checked before the teacher samples a token.
+
+`recovery.method` unset trains every weight (`full`) where the student, its training state and
+the teacher fit the free memory, and LoRA's adapters otherwise, saying so in one line. A method
+that does not fit -- chosen so, or neither -- is refused in one line with the estimate and the
+settings that would fit (`pruner.recovery.memory` says what is counted).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pruner.core import distributed
+from pruner.core.runtime import input_device
+from pruner.recovery import memory
+from pruner.recovery.spec import RecoverySpec
+from pruner.runs.resources import Estimate, ResourceError, available_memory, gib
+
+
+def estimate(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool,
+             teacher_bytes: int | None = None) -> Estimate:
+    """The peak of one process's training step (`pruner.recovery.memory.estimate`) as an `Estimate`."""
+    cpu = input_device(student).type == "cpu"
+    return Estimate(memory.estimate(student, teacher, spec, method, teacher_held=teacher_held,
+                                    processes=distributed.world_size(), cpu=cpu, teacher_bytes=teacher_bytes))
+
+
+def _room(student) -> tuple[int | None, int]:
+    """(bytes free to this process beyond what it holds now, how many processes share the free memory)."""
+    device = input_device(student)
+    free = available_memory(device)
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    return free, procs
+
+
+def _fits(est: Estimate, held: int, free: int | None, procs: int) -> bool:
+    return free is None or procs * (est.total - held) <= free
+
+
+def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool, teacher_bytes, held, free,
+           procs) -> list[str]:
+    """Settings that would fit (at most three)."""
+    tries = []
+    if method != "lora" and not spec.fsdp:
+        tries.append(("recovery.method: lora", spec, "lora", teacher_held))
+    if spec.teacher == "resident":
+        tries.append(("recovery.teacher: cached", spec.model_copy(update={"teacher": "cached"}), method, False))
+    b = spec.batch_size // 2
+    while b >= 1:
+        tries.append((f"recovery.batch_size: {b}", spec.model_copy(update={"batch_size": b}), method, teacher_held))
+        b //= 2
+    out = []
+    for text, s, m, h in tries:
+        e = estimate(student, teacher, s, m, h, teacher_bytes)
+        if _fits(e, held, free, procs):
+            out.append(f"{text} (about {gib(e.total)})")
+            if text.startswith("recovery.batch_size") or len(out) == 3:
+                break
+    return out
+
+
+def choose(student, teacher, spec: RecoverySpec, *, teacher_held: bool, teacher_bytes: int | None = None
+           ) -> tuple[RecoverySpec, Estimate, str | None]:
+    """`spec` with its method decided and checked against the free memory, the method's estimate, and a one-line
+    note when the default fell back to LoRA (else None). `teacher_held`: whether the teacher's weights stay in memory while the student
+    trains. Raises `ResourceError` when the method does not fit."""
+    held = memory.held_now(student, teacher, teacher_bytes)
+    free, procs = _room(student)
+    method = spec.method or "full"
+    est = estimate(student, teacher, spec, method, teacher_held, teacher_bytes)
+    if _fits(est, held, free, procs):
+        return spec.model_copy(update={"method": method}), est, None
+    if spec.method is None and not spec.fsdp:
+        lora = estimate(student, teacher, spec, "lora", teacher_held, teacher_bytes)
+        if _fits(lora, held, free, procs):
+            note = (f"recovery: training every weight needs about {gib(est.total)} and {gib(free // procs)} is free "
+                    f"beyond the loaded models: training LoRA adapters instead (recovery.method: lora, about "
+                    f"{gib(lora.total)})")
+            return spec.model_copy(update={"method": "lora"}), lora, note
+    hints = _hints(student, teacher, spec, method, teacher_held, teacher_bytes, held, free, procs)
+    device = input_device(student)
+    more = " or recovery.fsdp: true over several processes" if device.type == "cuda" and not spec.fsdp else ""
+    raise ResourceError(
+        f"not enough memory for recovery ({method}): a training step's peak is about {gib(est.total)} "
+        f"({est.text()}), and only {gib(free // procs)} is free on {device} beyond the loaded models "
+        f"({gib(held)}); set " + (", or ".join(hints) if hints else "a smaller recovery.batch_size") + more)
+
