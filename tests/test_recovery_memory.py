@@ -128,3 +128,24 @@ def test_a_resume_whose_default_method_would_change_is_refused(word_tokenizer, t
     _free(monkeypatch, (need["full"] + need["lora"]) // 2)  # now only LoRA fits
     with pytest.raises(RecoveryError, match="set recovery.method: full to resume it"):
         pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), checkpoint_dir=tmp_path, **opts)
+
+
+@pytest.mark.unit
+def test_the_cache_built_a_window_at_a_time_holds_what_the_whole_batch_gives(tmp_path):
+    import numpy as np
+
+    from pruner.core import data
+    from pruner.recovery import loss
+    from pruner.recovery import teacher as rteacher
+
+    teacher, _, _ = pair("llama")
+    ids = torch.randint(0, teacher.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(0))
+    w = data.TokenBatch(ids, torch.ones_like(ids))
+    cache = rteacher.Cached.build(teacher.eval(), w, tmp_path, k=5, batch_size=4, m=3, seed=7)
+    with torch.no_grad():  # the batches the cache ran, each whole through the loss's functions
+        logits = torch.cat([rteacher.forward_logits(teacher, ids[s], w.attention_mask[s])
+                            for s in (slice(0, 4), slice(4, 6))])
+    top, idx, tail = loss.topk_targets(logits, 5)
+    sid, slp = loss.tail_samples(logits, idx, 3, torch.Generator().manual_seed(7))
+    for name, want in {"top": top, "idx": idx, "tail": tail, "sid": sid, "slp": slp}.items():
+        assert np.array_equal(getattr(cache, name), want.numpy()), name

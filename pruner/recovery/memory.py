@@ -16,7 +16,13 @@ holds at a training step's peak, in bytes:
   attention weights SDPA materialises (batch x heads x T x T);
 - the logits over the vocabulary in float32: the student's, their log-probabilities, the
   gradients of both, and with a resident teacher its logits, log-probabilities and
-  probabilities (`LOGIT_COPIES`, `TEACHER_LOGIT_COPIES` tensors of tokens x V).
+  probabilities (`LOGIT_COPIES`, `TEACHER_LOGIT_COPIES` tensors of tokens x V);
+- `WORKING` bytes: the recovery text and its windows, the framework's own.
+
+A `cached` teacher first runs once over the recovery windows beside the loaded student: its
+logits for a batch, and for the window being cached its log-probabilities, their top k, the
+tail's probabilities and the samples drawn from them (`CACHE_COPIES` (T, V) float32 tensors). The
+estimate is the larger of that pass and a training step.
 
 A process trains `ceil(batch_size / processes)` windows of each batch. The constants are set
 so that the estimate bounds the measured peaks (`eval/bench_recovery_memory.py`,
@@ -35,6 +41,8 @@ BACKWARD_PER_LAYER = 10  # (tokens, d_model) float32 tensors a block keeps for t
 LOGIT_COPIES = 4          # the student's (tokens, V) float32: logits, log-probabilities, and their gradients
 TEACHER_LOGIT_COPIES = 3  # a resident teacher's (tokens, V) float32: logits, log-probabilities, probabilities
 STATE_PER_TRAINED = 16    # bytes per trained weight beside its own: gradient, AdamW's two moments, the best copy
+CACHE_COPIES = 8          # (T, V) float32 tensors of one window while the cache is written
+WORKING = 128 << 20       # the recovery text, its windows and the framework's working memory
 
 
 def shape(teacher) -> dict[str, int]:
@@ -82,11 +90,18 @@ def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held:
     per_layer = BACKWARD_PER_LAYER * tokens * d + 3 * tokens * ffn + (rows * H * T * T if cpu else 0)
     resident = spec.teacher == "resident"
     held = teacher_bytes if teacher_bytes is not None else model_bytes(teacher)
-    return {"student": 4 * weights // shards,
+    step = {"student": 4 * weights // shards,
             "trained state": STATE_PER_TRAINED * trained // shards,
             "teacher": held if (teacher_held or resident) else 0,
             "activations": 4 * L * per_layer,
-            "logits": 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0))}
+            "logits": 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0)),
+            "working": WORKING}
+    if resident:
+        return step
+    student_now = sum(p.numel() * p.element_size() for p in student.parameters())
+    cache = {"student": student_now, "teacher": held, "cache pass": 4 * (spec.batch_size + CACHE_COPIES) * T * V,
+             "working": WORKING}
+    return step if sum(step.values()) >= sum(cache.values()) else cache
 
 
 def held_now(student, teacher, teacher_bytes: int | None = None) -> int:

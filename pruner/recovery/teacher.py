@@ -127,11 +127,13 @@ class Cached:
         out = {name: np.lib.format.open_memmap(folder / f"{name}.npy", "w+", *kind) for name, kind in arrays.items()}
         g = torch.Generator().manual_seed(seed)
         for sl, logits in teacher_logits(teacher, windows, batch_size, onloader, progress):
-            got = dict(zip(("top", "idx", "tail"), loss.topk_targets(logits, k, temperature)))
-            if m:
-                got.update(zip(("sid", "slp"), loss.tail_samples(logits, got["idx"], m, g, temperature)))
-            for name, value in got.items():
-                out[name][sl] = value.numpy()
+            for i in range(logits.shape[0]):  # a window at a time: a few (T, V) float32 copies, not (b, T, V) ones;
+                one = logits[i:i + 1]        # the same draws (the generator serves the rows in order either way)
+                got = dict(zip(("top", "idx", "tail"), loss.topk_targets(one, k, temperature)))
+                if m:
+                    got.update(zip(("sid", "slp"), loss.tail_samples(one, got["idx"], m, g, temperature)))
+                for name, value in got.items():
+                    out[name][sl.start + i:sl.start + i + 1] = value.numpy()
         for a in out.values():
             a.flush()
         del out
