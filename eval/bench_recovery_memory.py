@@ -3,13 +3,13 @@
     python eval/bench_recovery_memory.py            # the docs table (docs/recovery.md "Memory"; ~25 min on 2 cores)
     python eval/bench_recovery_memory.py --cases llama-shakespeare:full:resident:8:128   # one case
 
-A case is MODEL:METHOD:TEACHER:BATCH:LENGTH. MODEL: a shipped decoder (float32 checkpoint) or the random-weight
-public shapes of eval/bench_pruned.py (`qwen2.5-0.5b`, `llama-3.2-1b`; the teacher in bfloat16, as such
+A case is MODEL:METHOD:TEACHER:BATCH:LENGTH[:STEPS] (16 steps unless given). MODEL: a shipped decoder (float32
+checkpoint) or the random-weight public shapes of eval/bench_pruned.py (`qwen2.5-0.5b`, `llama-3.2-1b`; the teacher in bfloat16, as such
 checkpoints are stored). Each case runs in a fresh process (2 threads): the teacher is loaded, the student is
 the teacher with half its query heads removed in every layer (half of each KV group's; every other head without
 GQA) in float32, as `pruner recover` loads a run's model; then the kernel's peak-RSS counter is reset
-(`/proc/self/clear_refs` = 5) and `recover_models` runs three optimizer steps on the plays' training text (a
-validation pass after each; a cached teacher's cache built first and its weights freed while the student trains,
+(`/proc/self/clear_refs` = 5) and `recover_models` runs STEPS optimizer steps on the plays' training text (a
+validation pass every STEPS / 8; a CPU run's resident memory climbs over its first passes to a plateau; a cached teacher's cache built first and its weights freed while the student trains,
 as `pruner recover` does). Measured: VmHWM minus the VmRSS just before (what recovery needs on top of the loaded
 models, the allocator's behaviour included). Estimated: the estimate's total minus what was loaded (the float32
 student and the teacher), which is what the check compares with the free memory. Prints the table; writes
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = ["llama-shakespeare:full:resident:8:128", "minilm-causal:full:resident:8:128",
          "minilm-causal:full:cached:8:128", "minilm-causal:lora:resident:8:128",
          "qwen2.5-0.5b:lora:resident:8:128", "qwen2.5-0.5b:full:cached:2:128", "qwen2.5-0.5b:full:resident:2:128",
-         "llama-3.2-1b:lora:resident:4:128"]
+         "llama-3.2-1b:lora:resident:4:128:8"]
 
 
 def _status() -> dict[str, int]:
@@ -85,14 +85,15 @@ def case(spec: str) -> dict:
     from pruner.recovery.spec import RecoverySpec
     from pruner.runs import recovering, recovery_memory
 
-    name, method, kind, B, T = spec.split(":")
-    B, T = int(B), int(T)
+    name, method, kind, B, T, *steps = spec.split(":")
+    B, T, steps = int(B), int(T), int(steps[0]) if steps else 16
     torch.set_num_threads(2)
     teacher = teacher_of(name)
     student = student_of(teacher)
     tok = loading.load_tokenizer("llama-shakespeare")  # ids below every vocabulary here: only the sizes matter
     texts = data.load_texts(data.TextSource("shakespeare:train"))
-    rspec = RecoverySpec(method=method, teacher=kind, batch_size=B, length=T, tokens=3 * B * T, restarts=0)
+    rspec = RecoverySpec(method=method, teacher=kind, batch_size=B, length=T, tokens=steps * B * T,
+                         restarts=0)
     released = kind == "cached"
     est = recovery_memory.estimate(student, teacher, rspec, method, teacher_held=not released)
     held = memory.held_now(student, teacher)
@@ -104,6 +105,7 @@ def case(spec: str) -> dict:
                               reload_teacher=(lambda: keep) if released else None)
     measured = _status()["VmHWM"] - before
     return {"case": spec, "model": name, "method": method, "teacher": kind, "batch_size": B, "length": T,
+            "steps": steps,
             "loaded_bytes": held, "estimate_bytes": est.total - memory.held_now(student, teacher),
             "estimate_total_bytes": est.total, "estimate_parts": est.parts, "measured_bytes": measured}
 
@@ -129,9 +131,10 @@ def main() -> None:
               file=sys.stderr, flush=True)
     mib = lambda n: f"{n / 2**20:,.0f}"  # noqa: E731
     print(markdown_table(
-        ["model", "method", "teacher", "batch x length", "loaded MiB", "estimated MiB", "measured MiB",
+        ["model", "method", "teacher", "batch x length", "steps", "loaded MiB", "estimated MiB", "measured MiB",
          "estimate / measured"],
-        [[r["model"], r["method"], r["teacher"], f"{r['batch_size']} x {r['length']}", mib(r["loaded_bytes"]),
+        [[r["model"], r["method"], r["teacher"], f"{r['batch_size']} x {r['length']}", r["steps"],
+          mib(r["loaded_bytes"]),
           mib(r["estimate_bytes"]), mib(r["measured_bytes"]),
           f"{r['estimate_bytes'] / max(r['measured_bytes'], 1):.2f}"] for r in rows]))
     load = os.getloadavg()
@@ -139,7 +142,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cases": rows, "loadavg": load,
                                           "method": "VmHWM growth during recover_models (clear_refs=5), fresh "
-                                                    "process per case, 3 steps"}, indent=1) + "\n")
+                                                    "process per case"}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

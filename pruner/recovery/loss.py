@@ -42,7 +42,7 @@ def full_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: to
     s = log_probs(student_logits, temperature)          # (B, T, V)
     t = log_probs(teacher_logits, temperature)          # (B, T, V)
     kl = (t.exp() * (t - s)).sum(-1)                   # (B, T)
-    on = mask.to(kl.dtype)
+    on = mask.to(kl.device, kl.dtype)
     return (kl * on).sum() * temperature ** 2, on.sum()
 
 
@@ -90,12 +90,12 @@ def topk_kl(student_logits: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, 
         ids, lp = samples
         per_token = (lp - s.gather(-1, ids.long())).mean(-1)            # (B, T): mean log p(y) - log q(y)
     kl = kl + torch.where(p_tail > 0, p_tail * per_token, torch.zeros_like(kl))
-    on = mask.to(kl.dtype)
+    on = mask.to(kl.device, kl.dtype)
     return (kl * on).sum() * temperature ** 2, on.sum()
 
 
 def next_token_ce(student_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over real targets (the optional LM term). (B, T, V), (B, T) -> scalar."""
     logits = student_logits[:, :-1].float()
-    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100).to(logits.device)
     return F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="sum")

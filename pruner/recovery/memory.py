@@ -19,6 +19,12 @@ holds at a training step's peak, in bytes:
   probabilities (`LOGIT_COPIES`, `TEACHER_LOGIT_COPIES` tensors of tokens x V);
 - `WORKING` bytes: the recovery text and its windows, the framework's own.
 
+On a CPU the activations and logits count `CPU_SLACK` times: the heap serves the training step's
+and the validation pass's buffers (of other sizes) from different places and keeps both, so a
+run's resident memory climbs over its first validation passes to a plateau about half again
+above its first step's (measured, `eval/bench_recovery_memory.py`). On a GPU the estimate is of
+the memory allocated (`torch.cuda.max_memory_allocated`); the caching allocator reserves more.
+
 A `cached` teacher first runs once over the recovery windows beside the loaded student: its
 logits for a batch, and for the window being cached its log-probabilities, their top k, the
 tail's probabilities and the samples drawn from them (`CACHE_COPIES` (T, V) float32 tensors). The
@@ -43,6 +49,7 @@ TEACHER_LOGIT_COPIES = 3  # a resident teacher's (tokens, V) float32: logits, lo
 STATE_PER_TRAINED = 16    # bytes per trained weight beside its own: gradient, AdamW's two moments, the best copy
 CACHE_COPIES = 8          # (T, V) float32 tensors of one window while the cache is written
 WORKING = 128 << 20       # the recovery text, its windows and the framework's working memory
+CPU_SLACK = 1.6           # a CPU run's plateau over its step's activations and logits (module docstring)
 
 
 def shape(teacher) -> dict[str, int]:
@@ -88,18 +95,19 @@ def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held:
     if method == "lora":
         weights += trained  # the adapters beside the frozen weights
     per_layer = BACKWARD_PER_LAYER * tokens * d + 3 * tokens * ffn + (rows * H * T * T if cpu else 0)
-    resident = spec.teacher == "resident"
+    resident, slack = spec.teacher == "resident", CPU_SLACK if cpu else 1.0
     held = teacher_bytes if teacher_bytes is not None else model_bytes(teacher)
     step = {"student": 4 * weights // shards,
             "trained state": STATE_PER_TRAINED * trained // shards,
             "teacher": held if (teacher_held or resident) else 0,
-            "activations": 4 * L * per_layer,
-            "logits": 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0)),
+            "activations": int(slack * 4 * L * per_layer),
+            "logits": int(slack * 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0))),
             "working": WORKING}
     if resident:
         return step
     student_now = sum(p.numel() * p.element_size() for p in student.parameters())
-    cache = {"student": student_now, "teacher": held, "cache pass": 4 * (spec.batch_size + CACHE_COPIES) * T * V,
+    cache = {"student": student_now, "teacher": held,
+             "cache pass": int(slack * 4 * (spec.batch_size + CACHE_COPIES) * T * V),
              "working": WORKING}
     return step if sum(step.values()) >= sum(cache.values()) else cache
 

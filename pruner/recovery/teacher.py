@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pruner.core import data
+from pruner.core.runtime import input_device
 from pruner.recovery import loss
 from pruner.recovery.data import RecoveryError
 
@@ -36,15 +37,16 @@ def forward_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 def teacher_logits(teacher, windows: data.TokenBatch, batch_size: int, onloader=None,
                    progress: bool = False) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(rows, (b, T, V) logits) for every batch of `windows`: the whole teacher, or with `onloader` one block at a
-    time on the onloader's device (its hidden states kept between blocks; the model's own code after the blocks
-    gives the logits, returned on the CPU)."""
+    """(rows, (b, T, V) logits) for every batch of `windows`: the whole teacher (the logits on its device), or with
+    `onloader` one block at a time on the onloader's device (its hidden states kept between blocks; the model's own
+    code after the blocks gives the logits, returned on the CPU)."""
     n = len(windows.input_ids)
     parts = [slice(i, i + batch_size) for i in range(0, n, batch_size)]
     bar = tqdm(parts, desc="teacher top-k cache", unit="batch", disable=not progress)
     if onloader is None:
+        dev = input_device(teacher)
         for sl in bar:
-            yield sl, forward_logits(teacher, windows.input_ids[sl], windows.attention_mask[sl])
+            yield sl, forward_logits(teacher, windows.input_ids[sl].to(dev), windows.attention_mask[sl].to(dev))
         return
     from pruner.core.layerwise import blockwise
 
@@ -68,7 +70,9 @@ class Resident:
     def kl(self, student_logits, rows: torch.Tensor, batch: data.TokenBatch):
         """Summed KL and real-token count for the batch's windows `rows` (their indices in the cached order)."""
         with torch.no_grad():
-            t = forward_logits(self.teacher, batch.input_ids, batch.attention_mask)
+            dev = input_device(self.teacher)
+            t = forward_logits(self.teacher, batch.input_ids.to(dev), batch.attention_mask.to(dev))
+        t = t.to(student_logits.device)
         return loss.full_kl(student_logits, t, batch.attention_mask, self.temperature)
 
 
@@ -104,7 +108,7 @@ class Cached:
 
     def kl(self, student_logits, rows: torch.Tensor, batch: data.TokenBatch):
         r = rows.numpy()
-        rows_of = lambda a: torch.from_numpy(np.ascontiguousarray(a[r]))  # noqa: E731
+        rows_of = lambda a: torch.from_numpy(np.ascontiguousarray(a[r])).to(student_logits.device)  # noqa: E731
         samples = None if self.sid is None else (rows_of(self.sid), rows_of(self.slp))
         return loss.topk_kl(student_logits, rows_of(self.top), rows_of(self.idx), rows_of(self.tail),
                             batch.attention_mask, self.temperature, samples)
@@ -128,7 +132,7 @@ class Cached:
         g = torch.Generator().manual_seed(seed)
         for sl, logits in teacher_logits(teacher, windows, batch_size, onloader, progress):
             for i in range(logits.shape[0]):  # a window at a time: a few (T, V) float32 copies, not (b, T, V) ones;
-                one = logits[i:i + 1]        # the same draws (the generator serves the rows in order either way)
+                one = logits[i:i + 1].cpu()  # the same draws (the CPU generator serves the rows in order)
                 got = dict(zip(("top", "idx", "tail"), loss.topk_targets(one, k, temperature)))
                 if m:
                     got.update(zip(("sid", "slp"), loss.tail_samples(one, got["idx"], m, g, temperature)))

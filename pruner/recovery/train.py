@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from pruner.core import data, distributed, resume
+from pruner.core.runtime import input_device
 from pruner.recovery import loss, methods, sharding
 from pruner.recovery.data import RecoveryError, Windows
 from pruner.recovery.spec import RecoverySpec
@@ -85,22 +86,24 @@ def batch_kl(model, targets, windows: data.TokenBatch, rows: torch.Tensor, spec:
     """This process's share of a batch: (KL sum [+ CE], real-token count) over `rows` of `windows`."""
     mine = _mine(rows)
     idle = not len(mine)
+    dev = input_device(model)  # the windows stay on the CPU; each batch goes to the student's device
     if idle and not sharding.active(spec):
-        return torch.zeros(()), torch.zeros(())
+        return torch.zeros((), device=dev), torch.zeros((), device=dev)
     if idle:  # FSDP: every process runs every forward; this one's row weighs nothing
         mine = sharding.idle_rows(rows)
-    b = data.TokenBatch(windows.input_ids[mine], windows.attention_mask[mine])
+    b = data.TokenBatch(windows.input_ids[mine].to(dev), windows.attention_mask[mine].to(dev))
     logits = forward_logits(model, b.input_ids, b.attention_mask)  # (b, T, V)
     kl, count = targets.kl(logits, mine + offset, b)
     if spec.ce_weight:
         kl = kl + spec.ce_weight * loss.next_token_ce(logits, b.input_ids, b.attention_mask)
-    return (kl * 0, torch.zeros(())) if idle else (kl, count)
+    return (kl * 0, torch.zeros((), device=dev)) if idle else (kl, count)
 
 
 @torch.no_grad()
 def validation_kl(model, targets, windows: Windows, spec: RecoverySpec, offset: int) -> float:
     """Mean KL per real token on the held-back windows (rows `offset`.. in the teacher cache)."""
-    total, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    dev = input_device(model)  # NCCL sums tensors on the GPU
+    total, count = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(2))
     n = len(windows.validation)
     for i in range(0, n, spec.batch_size):
         kl, c = batch_kl(model, targets, windows.validation, torch.arange(i, min(i + spec.batch_size, n)), spec,
