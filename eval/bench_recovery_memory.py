@@ -4,16 +4,16 @@
     python eval/bench_recovery_memory.py --cases llama-shakespeare:full:resident:8:128   # one case
 
 A case is MODEL:METHOD:TEACHER:BATCH:LENGTH[:STEPS] (16 steps unless given). MODEL: a shipped decoder (float32
-checkpoint) or the random-weight public shapes of eval/bench_pruned.py (`qwen2.5-0.5b`, `llama-3.2-1b`; the teacher in bfloat16, as such
-checkpoints are stored). Each case runs in a fresh process (2 threads): the teacher is loaded, the student is
-the teacher with half its query heads removed in every layer (half of each KV group's; every other head without
-GQA) in float32, as `pruner recover` loads a run's model; then the kernel's peak-RSS counter is reset
+checkpoint) or the random-weight public shapes of eval/bench_pruned.py (`qwen2.5-0.5b`, `llama-3.2-1b`; the teacher
+in bfloat16, as such checkpoints are stored). Each case runs in a fresh process (2 threads): the teacher is loaded,
+the student is the teacher with half its query heads removed in every layer (half of each KV group's; every other
+head without GQA) in float32, as `pruner recover` loads a run's model; then the kernel's peak-RSS counter is reset
 (`/proc/self/clear_refs` = 5) and `recover_models` runs STEPS optimizer steps on the plays' training text (a
-validation pass every STEPS / 8; a CPU run's resident memory climbs over its first passes to a plateau; a cached teacher's cache built first and its weights freed while the student trains,
-as `pruner recover` does). Measured: VmHWM minus the VmRSS just before (what recovery needs on top of the loaded
-models, the allocator's behaviour included). Estimated: the estimate's total minus what was loaded (the float32
-student and the teacher), which is what the check compares with the free memory. Prints the table; writes
-eval/results/recovery/bench_memory.json.
+validation pass every STEPS / 8: a CPU run's resident memory climbs over its first passes to a plateau; a cached
+teacher's cache built first and its weights freed while the student trains, as `pruner recover` does). Measured:
+VmHWM minus the VmRSS just before (what recovery needs on top of the loaded models, the allocator's behaviour
+included). Estimated: the estimate's total minus what was loaded (the float32 student and the teacher), which is
+what the check compares with the free memory. Prints the table; writes eval/results/recovery/bench_memory.json.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def teacher_of(name: str):
 
     if name in ("llama-shakespeare", "gpt2-shakespeare", "minilm-causal"):
         return loading.load_model(name).eval()
-    sys.path.insert(0, str(ROOT / "eval"))
-    from bench_pruned import build
+    from bench_pruned import build  # beside this script: python puts eval/ on the path
 
     return build(name, torch.bfloat16).eval()
 

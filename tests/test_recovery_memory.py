@@ -149,3 +149,22 @@ def test_the_cache_built_a_window_at_a_time_holds_what_the_whole_batch_gives(tmp
     sid, slp = loss.tail_samples(logits, idx, 3, torch.Generator().manual_seed(7))
     for name, want in {"top": top, "idx": idx, "tail": tail, "sid": sid, "slp": slp}.items():
         assert np.array_equal(getattr(cache, name), want.numpy()), name
+
+
+@pytest.mark.integration
+def test_the_prepared_gpu_script_runs_its_check_on_a_cpu_and_predicts_without_weights(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "eval/gpu_recovery.py", *a], cwd=root,  # noqa: E731
+                                    capture_output=True, text=True)
+    same = run("--device", "cpu", "--only", "same", "--same-steps", "2", "--out", str(tmp_path))
+    assert same.returncode == 0 and same.stdout.count("ok  ") == 2, same.stdout + same.stderr[-2000:]
+    pred = run("--predict", "--model", "qwen2.5-0.5b")
+    got = dict(re.findall(r"qwen2.5-0.5b (\w+:\w+), 8 x 128: predicted peak ([\d.]+) GiB", pred.stdout))
+    gib = {k: float(v) for k, v in got.items()}
+    assert len(gib) == 4 and gib["full:resident"] > gib["full:cached"] > gib["lora:cached"], pred.stdout
+    assert gib["full:resident"] > gib["lora:resident"] > gib["lora:cached"]
