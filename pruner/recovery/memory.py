@@ -7,13 +7,15 @@ holds at a training step's peak, in bytes:
 - the student's weights in float32 (it trains in float32 whatever its checkpoint stores);
 - for the weights it trains -- every one (`full`), the kept heads' projections (`attention`),
   LoRA's adapters (`lora`) -- their gradients, AdamW's two moments and the guard's copy of the
-  best weights so far: 16 bytes a trained weight beside its own 4 (with FSDP, 1/N of each);
+  best weights so far: 16 bytes a trained weight beside its own 4, and two copies of the largest
+  trained tensor while AdamW steps it (with FSDP, 1/N of each);
 - the teacher as loaded, when it is held (a `resident` one always; a `cached` one only where the
   caller keeps it: `pruner recover` and `pruner prune` free its weights while the student trains);
 - one batch's activations kept for the backward pass, float32, at the teacher's width (the
   student's is at most that): per layer the residual stream, norms and q/k/v/o
-  (`BACKWARD_PER_LAYER` x tokens x d_model), the MLP's three (tokens x d_ffn) and, on a CPU, the
-  attention weights SDPA materialises (batch x heads x T x T);
+  (`BACKWARD_PER_LAYER` x tokens x d_model), the MLP's four (tokens x d_ffn: a gated MLP's gate,
+  up, activation and product) and, on a CPU, the attention weights SDPA materialises
+  (batch x heads x T x T);
 - the logits over the vocabulary in float32: the student's, their log-probabilities, the
   gradients of both, and with a resident teacher its logits, log-probabilities and
   probabilities (`LOGIT_COPIES`, `TEACHER_LOGIT_COPIES` tensors of tokens x V);
@@ -43,10 +45,12 @@ from pruner.core import arch
 from pruner.recovery import methods
 from pruner.recovery.spec import RecoverySpec
 
-BACKWARD_PER_LAYER = 10  # (tokens, d_model) float32 tensors a block keeps for the backward pass
+BACKWARD_PER_LAYER = 10   # (tokens, d_model) float32 tensors a block keeps for the backward pass
+MLP_PER_LAYER = 4         # (tokens, d_ffn) float32 tensors an MLP keeps: a gated one's gate, up, activation, product
 LOGIT_COPIES = 4          # the student's (tokens, V) float32: logits, log-probabilities, and their gradients
 TEACHER_LOGIT_COPIES = 3  # a resident teacher's (tokens, V) float32: logits, log-probabilities, probabilities
 STATE_PER_TRAINED = 16    # bytes per trained weight beside its own: gradient, AdamW's two moments, the best copy
+STEP_COPIES = 2           # float32 copies of the largest trained tensor while AdamW steps it
 CACHE_COPIES = 8          # (T, V) float32 tensors of one window while the cache is written
 WORKING = 128 << 20       # the recovery text, its windows and the framework's working memory
 CPU_SLACK = 1.6           # a CPU run's plateau over its step's activations and logits (module docstring)
@@ -60,19 +64,25 @@ def shape(teacher) -> dict[str, int]:
     return {"L": g.n_layers, "H": g.n_heads, "d": d, "ffn": ffn, "V": c.vocab_size}
 
 
-def trained_weights(student, method: str, rank: int = 8) -> int:
-    """How many weights `method` trains in `student` (LoRA: its adapters, rank x (in + out) per projection)."""
+def trained_tensors(student, method: str, rank: int = 8) -> list[int]:
+    """The sizes of the tensors `method` trains in `student` (LoRA: its adapters, rank x in and out x rank per
+    projection)."""
     if method == "full":
-        return sum(p.numel() for p in student.parameters())
+        return [p.numel() for p in student.parameters()]
     if method == "attention":
         own = tuple(methods._attention_prefixes(student))
-        return sum(p.numel() for n, p in student.named_parameters() if n.startswith(own))
+        return [p.numel() for n, p in student.named_parameters() if n.startswith(own)]
     modules = dict(student.named_modules())
-    total = 0
+    sizes = []
     for name in methods._projections(student):
         w = modules[name].weight  # Linear: (out, in); Conv1D: (in, out)
-        total += rank * (w.shape[0] + w.shape[1])
-    return total
+        sizes += [rank * w.shape[0], rank * w.shape[1]]
+    return sizes
+
+
+def trained_weights(student, method: str, rank: int = 8) -> int:
+    """How many weights `method` trains in `student`."""
+    return sum(trained_tensors(student, method, rank))
 
 
 def model_bytes(model) -> int:
@@ -91,14 +101,15 @@ def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held:
     tokens, T = rows * spec.length, spec.length
     shards = processes if spec.fsdp else 1
     weights = sum(p.numel() for p in student.parameters())
-    trained = trained_weights(student, method, spec.lora_rank)
+    sizes = trained_tensors(student, method, spec.lora_rank)
+    trained = sum(sizes)
     if method == "lora":
         weights += trained  # the adapters beside the frozen weights
-    per_layer = BACKWARD_PER_LAYER * tokens * d + 3 * tokens * ffn + (rows * H * T * T if cpu else 0)
+    per_layer = BACKWARD_PER_LAYER * tokens * d + MLP_PER_LAYER * tokens * ffn + (rows * H * T * T if cpu else 0)
     resident, slack = spec.teacher == "resident", CPU_SLACK if cpu else 1.0
     held = teacher_bytes if teacher_bytes is not None else model_bytes(teacher)
     step = {"student": 4 * weights // shards,
-            "trained state": STATE_PER_TRAINED * trained // shards,
+            "trained state": (STATE_PER_TRAINED * trained + STEP_COPIES * 4 * max(sizes, default=0)) // shards,
             "teacher": held if (teacher_held or resident) else 0,
             "activations": int(slack * 4 * L * per_layer),
             "logits": int(slack * 4 * tokens * V * (LOGIT_COPIES + (TEACHER_LOGIT_COPIES if resident else 0))),

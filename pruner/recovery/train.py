@@ -123,9 +123,16 @@ def _optimizer(model, spec: RecoverySpec, lr: float, steps: int):
     return opt, sched
 
 
-def _weights(model) -> dict[str, torch.Tensor]:
+def _weights(model, clone: bool = True) -> dict[str, torch.Tensor]:
+    """The trained weights: a copy, or (`clone` False, for a checkpoint written at once) the tensors themselves."""
     sharding.settle(model)  # sharded: the parameters as shards, as they are stepped and loaded
-    return {n: p.detach().clone() for n, p in methods.trainable(model).items()}
+    return {n: p.detach().clone() if clone else p.detach() for n, p in methods.trainable(model).items()}
+
+
+@torch.no_grad()
+def _copy_into(to: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    for n, w in weights.items():
+        to[n].copy_(w)
 
 
 def _load_weights(model, weights: dict[str, torch.Tensor]) -> None:
@@ -158,7 +165,7 @@ def step(model, targets, windows: Windows, rows: torch.Tensor, spec: RecoverySpe
 
 def _state(model, opt, sched, k: int, guard: dict) -> dict:
     """What a checkpoint holds (this process's shards as plain tensors when the student is sharded)."""
-    return sharding.to_local({"step": k, "weights": _weights(model), "optimizer": opt.state_dict(),
+    return sharding.to_local({"step": k, "weights": _weights(model, clone=False), "optimizer": opt.state_dict(),
                               "scheduler": sched.state_dict(), "guard": guard})
 
 
@@ -187,8 +194,9 @@ def _validate(model, targets, windows: Windows, spec: RecoverySpec, guard: dict,
     """A validation pass after step `k`: the history, and the best weights so far."""
     v = validation_kl(model, targets, windows, spec, len(windows.train))
     guard["history"].append([k, v])
-    if v < guard["best"]:
-        guard.update(best=v, best_step=k, best_weights=_weights(model))
+    if v < guard["best"]:  # into the best copy's own buffers: never two copies at once
+        _copy_into(guard["best_weights"], _weights(model, clone=False))
+        guard.update(best=v, best_step=k)
 
 
 def drifted(guard: dict, spec: RecoverySpec) -> bool:
