@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_memory import _status  # beside this script: python puts eval/ on the path
+
 from pruner.core.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,15 +35,6 @@ CASES = ["llama-shakespeare:full:resident:8:128", "minilm-causal:full:resident:8
          "minilm-causal:full:cached:8:128", "minilm-causal:lora:resident:8:128",
          "qwen2.5-0.5b:lora:resident:8:128", "qwen2.5-0.5b:full:cached:2:128", "qwen2.5-0.5b:full:resident:2:128",
          "llama-3.2-1b:lora:resident:4:128:8"]
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key = line.split(":")[0]
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(line.split()[1]) * 1024
-    return out
 
 
 def teacher_of(name: str):

@@ -48,6 +48,11 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def model_bytes(model) -> int:
+    """Bytes of a model's weights and buffers as it holds them."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
 def input_device(model) -> torch.device:
     """Where the inputs go: the embedding's device (the first device under a device_map)."""
     return model.get_input_embeddings().weight.device

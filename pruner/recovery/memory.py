@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 
 from pruner.core import arch
+from pruner.core.runtime import model_bytes
 from pruner.recovery import methods
 from pruner.recovery.spec import RecoverySpec
 
@@ -83,11 +84,6 @@ def trained_tensors(student, method: str, rank: int = 8) -> list[int]:
 def trained_weights(student, method: str, rank: int = 8) -> int:
     """How many weights `method` trains in `student`."""
     return sum(trained_tensors(student, method, rank))
-
-
-def model_bytes(model) -> int:
-    """Bytes of a model's weights and buffers as it holds them."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held: bool, processes: int = 1,

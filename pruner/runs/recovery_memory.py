@@ -8,13 +8,11 @@ settings that would fit (`pruner.recovery.memory` says what is counted).
 
 from __future__ import annotations
 
-import os
-
 from pruner.core import distributed
 from pruner.core.runtime import input_device
 from pruner.recovery import memory
 from pruner.recovery.spec import RecoverySpec
-from pruner.runs.resources import Estimate, ResourceError, available_memory, gib
+from pruner.runs.resources import Estimate, ResourceError, available_memory, gib, sharing
 
 
 def estimate(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool,
@@ -26,11 +24,9 @@ def estimate(student, teacher, spec: RecoverySpec, method: str, teacher_held: bo
 
 
 def _room(student) -> tuple[int | None, int]:
-    """(bytes free to this process beyond what it holds now, how many processes share the free memory)."""
+    """(bytes free on the student's device beyond what is loaded, how many processes share them)."""
     device = input_device(student)
-    free = available_memory(device)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    return free, procs
+    return available_memory(device), sharing(device)
 
 
 def _fits(est: Estimate, held: int, free: int | None, procs: int) -> bool:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from pruner.core.runtime import model_bytes  # noqa: F401  (resources.model_bytes for its callers)
+
 GiB = 1 << 30
 # float32 tensors of shape (batch, heads, chunk, keys) alive at once in `stats.chunk_stats` (scores, masked
 # scores, weights, a log a, content rows, output-moment splits) and its pair metrics
@@ -93,10 +95,6 @@ def model_shape(model) -> dict[str, int]:
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d
     return {"L": g.n_layers, "H": g.n_heads, "KV": g.n_kv_heads, "D": g.head_dim, "d": d, "ffn": ffn,
             "V": getattr(c, "vocab_size", 0) or 0}
-
-
-def model_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def statistics_bytes(model, sizes: Sizes) -> int:
@@ -186,6 +184,12 @@ def available_memory(device: str | torch.device = "cpu") -> int | None:
     return min(free) if free else None
 
 
+def sharing(device: str | torch.device) -> int:
+    """How many processes share `device`'s free memory: the local processes of one machine share its RAM (each
+    GPU is its own)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
+
+
 def _fits(model, sizes: Sizes, room: int) -> list[str]:
     """Settings that would fit in `room` bytes beyond the loaded model (at most two suggestions)."""
     base = model_bytes(model)
@@ -222,8 +226,7 @@ def check_memory(model, sizes: Sizes, device: str | torch.device | None = None, 
     device = device or input_device(model)
     est = calibration_estimate(model, sizes)
     free = available_memory(device)
-    # several processes on one machine share its RAM (each GPU is its own)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torch.device(device).type == "cpu" else 1
+    procs = sharing(device)
     if free is None or procs * (est.total - est.parts["model"]) <= free:
         return est
     free //= procs
