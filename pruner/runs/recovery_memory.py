@@ -58,8 +58,8 @@ def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool
 def choose(student, teacher, spec: RecoverySpec, *, teacher_held: bool, teacher_bytes: int | None = None
            ) -> tuple[RecoverySpec, Estimate, str | None]:
     """`spec` with its method decided and checked against the free memory, the method's estimate, and a one-line
-    note when the default fell back to LoRA (else None). `teacher_held`: whether the teacher's weights stay in memory while the student
-    trains. Raises `ResourceError` when the method does not fit."""
+    note when the default fell back to LoRA (else None). `teacher_held`: whether the teacher's weights stay in
+    memory while the student trains. Raises `ResourceError` when the method does not fit."""
     held = memory.held_now(student, teacher, teacher_bytes)
     free, procs = _room(student)
     method = spec.method or "full"
