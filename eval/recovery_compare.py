@@ -1,12 +1,13 @@
 """Two recoveries of the same run compared on the same windows: the difference of their damage recovered with its
 95% paired bootstrap interval (docs/recovery.md: is `cached` behind `resident`, or is the gap noise?).
 
-    python eval/recovery_compare.py MODEL RUN_DIR A=MODEL_DIR B=MODEL_DIR
+    python eval/recovery_compare.py MODEL RUN_DIR A=MODEL_DIR B=MODEL_DIR [--windows N|all]
 
-MODEL is the run's base (a shipped name), RUN_DIR a run folder eval/recovery_study.py made (its reference.json
-holds the base and pruned models' per-window NLL sums), A and B two recovered model/ folders of it. For each
-held-out domain: R of each, R_A - R_B, and the interval over 2,000 resamples of the 64 windows (the same resample
-for both: paired).
+MODEL is the run's base (a shipped name), RUN_DIR a run folder eval/recovery_study.py made (its reference.json,
+reference-all.json with `--windows all`, holds the base and pruned models' per-window NLL sums), A and B two
+recovered model/ folders of it. For each held-out domain: R of each, R_A - R_B, and the interval over 2,000
+resamples of 64 contiguous blocks of the windows (one window each at the default 64; the same resample for both:
+paired).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import pruner
 from pruner.checkpoints import loading
-from recovery_study import DOMAINS, window_nll, windows  # beside this script: python puts eval/ on the path
+from recovery_study import DOMAINS, blocks, window_nll, windows  # beside this script: python puts eval/ on the path
 
 
 def main() -> None:
@@ -29,19 +30,22 @@ def main() -> None:
     ap.add_argument("run")
     ap.add_argument("a", metavar="A=MODEL_DIR")
     ap.add_argument("b", metavar="B=MODEL_DIR")
+    ap.add_argument("--windows", default="64", help="the windows eval/recovery_study.py scored: N or all")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ref = json.loads((Path(args.run) / "reference.json").read_text())
+    count = None if args.windows == "all" else int(args.windows)
+    ref = json.loads((Path(args.run) / ("reference.json" if count == 64 else f"reference-{count or 'all'}.json"))
+                     .read_text())
     tok = loading.load_tokenizer(args.model)
     (na, pa), (nb, pb) = (x.split("=", 1) for x in (args.a, args.b))
     ma, mb = pruner.load(pa).float(), pruner.load(pb).float()
     print(f"| domain | R {na} | R {nb} | R {na} - R {nb} [95% CI] |")
     print("|---|---|---|---|")
     for d in DOMAINS:
-        w, r = windows(tok, d), ref[d]["windows"]
-        base, pruned = np.asarray(r["base"]), np.asarray(r["pruned"])
-        a, b = np.asarray(window_nll(ma, w)[0]), np.asarray(window_nll(mb, w)[0])
-        idx = np.random.default_rng(0).integers(0, len(base), (2000, len(base)))  # (resample, window)
+        w, r = windows(tok, d, count), ref[d]["windows"]
+        base, pruned = blocks(r["base"]), blocks(r["pruned"])
+        a, b = blocks(window_nll(ma, w)[0]), blocks(window_nll(mb, w)[0])
+        idx = np.random.default_rng(0).integers(0, len(base), (2000, len(base)))  # (resample, block)
         lost = (pruned[idx] - base[idx]).sum(1)
         diff = ((b[idx] - a[idx]).sum(1) / lost)[lost > 0]  # R_A - R_B = (NLL_B - NLL_A) / (NLL_pruned - NLL_base)
         R = lambda x: (pruned.sum() - x.sum()) / (pruned.sum() - base.sum())  # noqa: E731

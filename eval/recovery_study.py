@@ -1,6 +1,6 @@
 """Recovery evidence: shipped decoders pruned, then recovered by `pruner recover`, measured on two held-out domains.
 
-    python eval/recovery_study.py CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--out eval/results/recovery]
+    python eval/recovery_study.py CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--windows N|all] [--out eval/results/recovery]
 
 A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
 (MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal; DATA: generated or shakespeare:train); `--set` adds a
@@ -11,8 +11,9 @@ A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0
 2. `pruner recover RUN --tokens TOKENS --data DATA --set recovery.method=METHOD --set recovery.teacher=TEACHER` in
    its own process: wall time, the child's peak resident memory, its tokens/s;
 3. perplexity of the base, pruned and recovered models on `shakespeare:evaluation` and `python-docs:evaluation`
-   (64 windows of 128 tokens each; neither is ever trained on) and the damage recovered
-   R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base) per domain;
+   (the first 64 windows of 128 tokens each, or with `--windows all` every window of the split; neither is ever
+   trained on) and the damage recovered R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base) per domain,
+   with its 95% bootstrap interval over 64 contiguous blocks of windows (one window each at 64 windows);
 4. once per run: the plain training throughput of the same student without a teacher (next-token cross-entropy,
    same batch, AdamW), the denominator of the throughput target.
 
@@ -62,12 +63,15 @@ def run_folder(out: Path, model: str, sparsity: str) -> Path:
     return folder
 
 
-def windows(tokenizer, domain: str):
-    """The 64 windows of 128 tokens of `domain` every model is scored on."""
+def windows(tokenizer, domain: str, count: int | None = 64):
+    """The windows of 128 tokens of `domain` every model is scored on: the first `count`, or every one (None).
+
+    The first 64 are the opening 8,192 tokens of the split — on the plays, the first scenes of one play — so
+    `--windows all` measures the domain where 64 measure one stretch of it."""
     from pruner.core import data
     from pruner.evaluation.perplexity import sliding_windows
 
-    return sliding_windows(tokenizer, data.load_texts(data.TextSource(domain)), 128, max_windows=64)
+    return sliding_windows(tokenizer, data.load_texts(data.TextSource(domain)), 128, max_windows=count)
 
 
 def nll(model, tokenizer, domain: str) -> float:
@@ -102,12 +106,13 @@ def divergence(teacher, model, w, batch: int = 8) -> dict[str, list[float]]:
 
 
 def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: str = "reference.json",
-              plain: bool = True) -> dict:
+              plain: bool = True, count: int | None = 64) -> dict:
     """Base and pruned NLLs on `domains` (means, and per window with the pruned model's KL to the base) and
-    (`plain`) the plain-training throughput, computed once per run and kept in the run folder as `name`."""
-    path = run / name
+    (`plain`) the plain-training throughput, computed once per run and kept in the run folder as `name`
+    (`reference-all.json` for every window: `count` None)."""
+    path = run / (name if count == 64 else name.replace(".json", f"-{count or 'all'}.json"))
     kept = json.loads(path.read_text()) if path.exists() else {}
-    if kept and all("windows" in v for k, v in kept.items() if k in domains):
+    if kept and all("windows" in kept.get(d, {}) for d in domains) and (not plain or "plain_tokens_per_second" in kept):
         return kept
     import pruner
     from pruner.checkpoints import loading
@@ -116,11 +121,11 @@ def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: s
     base, pruned = loading.load_model(model).float(), pruner.load(run / "model").float()
     ref = {}
     for d in domains:
-        w = windows(tok, d)
-        (b, count), (p, _) = window_nll(base, w), window_nll(pruned, w)
+        w = windows(tok, d, count)
+        (b, n), (p, _) = window_nll(base, w), window_nll(pruned, w)
         div = divergence(base, pruned, w)
-        ref[d] = {"base": sum(b) / sum(count), "pruned": sum(p) / sum(count),
-                  "windows": {"count": count, "base": b, "pruned": p, "kl_pruned": div["kl"],
+        ref[d] = {"base": sum(b) / sum(n), "pruned": sum(p) / sum(n),
+                  "windows": {"count": n, "base": b, "pruned": p, "kl_pruned": div["kl"],
                               "entropy_pruned": div["entropy"], "entropy_base": div["entropy_teacher"]}}
     if plain:
         ref["plain_tokens_per_second"] = plain_training(pruned)
@@ -147,11 +152,11 @@ def plain_training(model, steps: int = 6, batch: int = 8, length: int = 128) -> 
     return steps * batch * length / (time.perf_counter() - t0)
 
 
-def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
+def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | None = 64) -> dict:
     model, sparsity, data, tokens, method, teacher = config.split(":", 5) if config.count(":") == 5 else \
         _with_colon(config)
     run = run_folder(out, model, sparsity)
-    ref = reference(run, model)
+    ref = reference(run, model, count=count)
     rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
     wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, "--data", data,
                       "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
@@ -167,9 +172,10 @@ def one(out: Path, config: str, settings: tuple[str, ...] = ()) -> dict:
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
               "validation_history": m.get("validation_history"), "restarts": m.get("restarts", []),
-              "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1)}
+              "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1),
+              **({} if count == 64 else {"windows": count or "all"})}
     for d in DOMAINS:
-        w = windows(tok, d)
+        w = windows(tok, d, count)
         total, _ = window_nll(recovered, w)
         record[d] = held_out(ref[d]["windows"], total, divergence(base, recovered, w))
     return record
@@ -182,17 +188,23 @@ def damage(b: float, p: float, after: float) -> dict:
             "R": (p - after) / (p - b) if p > b else None}
 
 
+def blocks(x: list[float], units: int = 64) -> np.ndarray:
+    """Per-window sums summed over `units` contiguous blocks of windows (one window each where there are 64):
+    the bootstrap's resampling unit, so that neighbouring windows of one scene are not counted as independent."""
+    return np.asarray([c.sum() for c in np.array_split(np.asarray(x, dtype=float), min(units, len(x)))])
+
+
 def held_out(ref: dict, total: list[float], div: dict[str, list[float]], resamples: int = 2000) -> dict:
     """A domain's `damage` record from per-window sums (`ref`: the reference's `windows`; `total`: the recovered
-    model's NLL sums; `div`: its KL to the teacher and entropy), with R's 95% paired bootstrap interval over the
-    windows, the KL(teacher || model) per token of the pruned and recovered models on this text and the share of
-    it recovery removed (R_KL = 1 - KL_recovered / KL_pruned: distillation's own objective, measured held out),
-    and the entropies of base, pruned and recovered."""
+    model's NLL sums; `div`: its KL to the teacher and entropy), with R's 95% paired bootstrap interval over 64
+    contiguous blocks of windows, the KL(teacher || model) per token of the pruned and recovered models on this
+    text and the share of it recovery removed (R_KL = 1 - KL_recovered / KL_pruned: distillation's own objective,
+    measured held out), and the entropies of base, pruned and recovered."""
     n = sum(ref["count"])
     base, pruned, after = (sum(x) / n for x in (ref["base"], ref["pruned"], total))
     out = damage(base, pruned, after)
-    b, p, a = (np.asarray(x) for x in (ref["base"], ref["pruned"], total))
-    idx = np.random.default_rng(0).integers(0, len(b), (resamples, len(b)))           # (resample, window)
+    b, p, a = (blocks(x) for x in (ref["base"], ref["pruned"], total))
+    idx = np.random.default_rng(0).integers(0, len(b), (resamples, len(b)))           # (resample, block)
     gap = p[idx].sum(1) - b[idx].sum(1)
     r = (p[idx].sum(1) - a[idx].sum(1))[gap > 0] / gap[gap > 0]
     kl_p, kl_r = sum(ref["kl_pruned"]) / n, sum(div["kl"]) / n
@@ -245,12 +257,15 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a `recovery:` setting for every config, e.g. temperature_generate=2.0 (chosen on "
                          "development text: eval/recovery_dev.py)")
+    ap.add_argument("--windows", default="64", help="how many of each held-out split's windows of 128 tokens to "
+                    "score, from its start, or `all` (default 64, the figures before 2026-12-04)")
     args = ap.parse_args()
+    count = None if args.windows == "all" else int(args.windows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for config in args.configs:
-        record = one(out, config, tuple(args.set))
+        record = one(out, config, tuple(args.set), count)
         with open(out / "records.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
