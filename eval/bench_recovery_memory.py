@@ -98,7 +98,8 @@ def case(spec: str) -> dict:
     measured = _status()["VmHWM"] - before
     return {"case": spec, "model": name, "method": method, "teacher": kind, "batch_size": B, "length": T,
             "steps": steps,
-            "loaded_bytes": held, "estimate_bytes": est.total - memory.held_now(student, teacher),
+            # `held` from before: once the freed teacher is on `meta` its tied weights count twice
+            "loaded_bytes": held, "estimate_bytes": est.total - held,
             "estimate_total_bytes": est.total, "estimate_parts": est.parts, "measured_bytes": measured}
 
 
