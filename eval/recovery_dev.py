@@ -1,7 +1,7 @@
 """Recovery settings compared on development text only: the damage each recovers on the two domains' development
 windows, never on their evaluation windows.
 
-    python eval/recovery_dev.py MODEL SPARSITY SETTING [SETTING ...] [--out eval/results/recovery]
+    python eval/recovery_dev.py MODEL SPARSITY SETTING [SETTING ...] [--windows N|all] [--out eval/results/recovery]
 
 A SETTING is TOKENS[,KEY=VALUE...] over the `recovery:` section, e.g. `131072`, `131072,data=shakespeare:train`,
 `131072,lr=3e-5`, `131072,temperature_generate=0.7`. The run is the one eval/recovery_study.py prunes (default
@@ -9,7 +9,7 @@ scorer refit-energy, refit, remove); each setting is a `pruner recover RUN --tok
 in its own process. Development text: `python-docs:dev` (the docstrings' development split) and
 `shakespeare:calibration` (the plays' windows the run calibrated on: the plays have no development split, and
 recovery is never given them). For each, the damage recovered R = (NLL_pruned - NLL_recovered) /
-(NLL_pruned - NLL_base) on 64 windows of 128 tokens. Appends one JSON line per setting to OUT/dev.jsonl and
+(NLL_pruned - NLL_base) on the first 64 windows of 128 tokens (`--windows all`: every window of the split). Appends one JSON line per setting to OUT/dev.jsonl and
 prints a markdown table.
 """
 
@@ -25,10 +25,10 @@ from recovery_study import (  # beside this script: python puts eval/ on the pat
 DEV = ("shakespeare:calibration", "python-docs:dev")
 
 
-def one(out: Path, model: str, sparsity: str, setting: str) -> dict:
+def one(out: Path, model: str, sparsity: str, setting: str, count: int | None = 64) -> dict:
     tokens, *pairs = setting.split(",")
     run = run_folder(out, model, sparsity)
-    ref = reference(run, model, DEV, "dev-reference.json", plain=False)  # base and pruned, once per run
+    ref = reference(run, model, DEV, "dev-reference.json", plain=False, count=count)  # base and pruned, once per run
     rec = out / "dev" / f"{model}-{sparsity}-{setting.replace(',', '_').replace('=', '-').replace(':', '-')}"
     sets = [x for p in pairs for x in ("--set", f"recovery.{p}")]
     wall, _ = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, *sets])
@@ -40,9 +40,9 @@ def one(out: Path, model: str, sparsity: str, setting: str) -> dict:
     row = {"model": model, "sparsity": float(sparsity), "setting": setting, "tokens": int(tokens),
            "kept": m["kept"], "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
            "best_step": m["best_step"], "steps": m["steps"], "tokens_per_second": m["tokens_per_second"],
-           "wall_s": round(wall, 1)}
+           "wall_s": round(wall, 1), **({} if count == 64 else {"windows": count or "all"})}
     for d in DEV:
-        row[d] = damage(ref[d]["base"], ref[d]["pruned"], nll(recovered, tok, d))
+        row[d] = damage(ref[d]["base"], ref[d]["pruned"], nll(recovered, tok, d, count))
     return row
 
 
@@ -52,13 +52,15 @@ def main() -> None:
     ap.add_argument("sparsity")
     ap.add_argument("settings", nargs="+")
     ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "recovery"))
+    ap.add_argument("--windows", default="64", help="each development split's windows to score, from its start: N "
+                    "or all")
     args = ap.parse_args()
-    out = Path(args.out)
+    out, count = Path(args.out), None if args.windows == "all" else int(args.windows)
     print("| setting | validation KL pruned / best (step of steps) | kept | "
           "ppl plays-dev base / pruned / recovered | R | ppl docs-dev base / pruned / recovered | R | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
-        r = one(out, args.model, args.sparsity, setting)
+        r = one(out, args.model, args.sparsity, setting, count)
         with open(out / "dev.jsonl", "a") as f:
             f.write(json.dumps(r) + "\n")
         v = r["validation_kl"]

@@ -74,10 +74,10 @@ def windows(tokenizer, domain: str, count: int | None = 64):
     return sliding_windows(tokenizer, data.load_texts(data.TextSource(domain)), 128, max_windows=count)
 
 
-def nll(model, tokenizer, domain: str) -> float:
-    """Mean next-token NLL per token on the 64 windows of `domain`."""
-    total, count = window_nll(model, windows(tokenizer, domain))
-    return sum(total) / sum(count)
+def nll(model, tokenizer, domain: str, count: int | None = 64) -> float:
+    """Mean next-token NLL per token on the windows of `domain` (the first `count`, or every one)."""
+    total, n = window_nll(model, windows(tokenizer, domain, count))
+    return sum(total) / sum(n)
 
 
 def window_nll(model, w) -> tuple[list[float], list[int]]:
