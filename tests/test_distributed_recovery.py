@@ -1,7 +1,8 @@
 """Two processes (torchrun, gloo on CPU) recover a shipped model to one process's weights, to float tolerance:
 each process backpropagates its half of every batch's KL sum over the whole batch's tokens and the gradients are
 summed, so only the float summation order differs. The same with the student sharded (`recovery.fsdp`: torch's
-FSDP2), and a sharded recovery killed and resumed ends with the uninterrupted one's weights bit for bit."""
+FSDP2), with LoRA's adapters (replicated and sharded, on a compact and on a dense student), and a sharded recovery
+killed and resumed ends with the uninterrupted one's weights bit for bit."""
 
 from __future__ import annotations
 
@@ -51,3 +52,32 @@ def test_a_sharded_recovery_killed_and_resumed_ends_as_the_uninterrupted_one(tmp
     assert resumed["history"] == whole["history"]
     for key, a in whole["weights"].items():
         assert torch.equal(resumed["weights"][key], a), key
+
+
+@pytest.fixture(scope="module")
+def one_lora(tmp_path_factory):
+    from tests import recovery_probe
+
+    out = {}
+    for dense in (False, True):
+        path = tmp_path_factory.mktemp("one-lora") / "one.pt"
+        recovery_probe.main(str(path), method="lora", dense=dense)
+        out[dense] = torch.load(path)
+    return out
+
+
+@pytest.mark.parametrize("dense,sharded", [(False, False), (False, True), (True, True)],
+                         ids=["compact-replicated", "compact-fsdp", "dense-fsdp"])
+def test_lora_in_two_processes_recovers_to_the_weights_of_one(one_lora, tmp_path, dense, sharded):
+    """LoRA's adapters start from the recovery's seed in every process (they used to start from whatever each
+    process's random stream held, so two processes trained apart from one), and FSDP shards the frozen weights
+    with them; a dense student's pruned heads stay zero (its output projection is never adapted)."""
+    launch([PROBE, str(tmp_path / "two.pt"), "--method", "lora", *(["--fsdp"] if sharded else []),
+            *(["--dense"] if dense else [])], 2)
+    two = torch.load(tmp_path / "two.pt")
+    _same_as_one(one_lora[dense], two)
+    assert not any(".lora_" in k for k in two["weights"])  # merged: a plain checkpoint
+    if dense:
+        o = two["weights"]["model.layers.0.self_attn.o_proj.weight"]  # (d_model, heads * d_head); heads 0 and 4 pruned
+        d_head = o.shape[1] // 8
+        assert not o[:, :d_head].any() and not o[:, 4 * d_head:5 * d_head].any() and o[:, d_head:2 * d_head].any()

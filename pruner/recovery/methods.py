@@ -34,8 +34,12 @@ def _attention_prefixes(model) -> list[str]:
 
 
 def prepare(model, method: str, dense_heads: dict[int, list[int]] | None = None, rank: int = 8,
-            alpha: float = 16.0):
-    """The model to train (PEFT-wrapped for lora) with `requires_grad` set as `method` says. float32."""
+            alpha: float = 16.0, seed: int = 0):
+    """The model to train (PEFT-wrapped for lora) with `requires_grad` set as `method` says. float32.
+
+    LoRA's A matrices start random: drawn from `seed` (the caller's random stream untouched), so that every
+    process of a multi-process recovery starts from the same adapters and a recovery is the same run however many
+    processes it had or whatever ran before it."""
     model.float()
     if method == "lora":
         from peft import LoraConfig, get_peft_model
@@ -47,7 +51,9 @@ def prepare(model, method: str, dense_heads: dict[int, list[int]] | None = None,
         fan_in_fan_out = any(type(m).__name__ == "Conv1D" for m in model.modules())
         cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                          fan_in_fan_out=fan_in_fan_out, bias="none")
-        return get_peft_model(model, cfg)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(model, cfg)
     allowed = tuple(_attention_prefixes(model)) if method == "attention" else None
     for name, p in model.named_parameters():
         p.requires_grad_(allowed is None or name.startswith(allowed))

@@ -42,10 +42,13 @@ def skeleton(model):
 
 
 def shard(model) -> None:
-    """`fully_shard` each transformer block, then the model (the embeddings, final norm and head)."""
+    """`fully_shard` each transformer block, then the model (the embeddings, final norm and head). A LoRA student
+    (PEFT-wrapped) shards its frozen weights with its adapters: FSDP2 keeps frozen and trained parameters in one
+    group and reduces gradients for the trained ones only."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in arch.blocks(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for block in arch.blocks(base):
         fully_shard(block)
     fully_shard(model)
 

@@ -54,7 +54,7 @@ class RecoverySpec(BaseModel):
     save_every: int | None = Field(None, ge=1, description="tokens between checkpoints for --resume (default: "
                                                            "the validation cadence)")
     fsdp: bool = Field(False, description="several processes shard the student's weights, gradients and AdamW state "
-                                          "(torch FSDP) instead of each holding all of it; full and attention")
+                                          "(torch FSDP) instead of each holding all of it")
     temperature_generate: float = Field(1.0, gt=0, description="generated data: sampling temperature")
     seed: int = 0
 
@@ -62,9 +62,6 @@ class RecoverySpec(BaseModel):
     def _method(self):
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown recovery method {self.method!r}; valid: {', '.join(METHODS)}")
-        if self.fsdp and self.method == "lora":
-            raise ValueError("recovery.fsdp shards full and attention training; lora's adapters are small enough "
-                             "to replicate: set fsdp: false")
         return self
 
     def peak_lr(self) -> float:

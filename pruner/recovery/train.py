@@ -225,12 +225,13 @@ def _restart_note(guard: dict) -> str:
 def train(student, targets, windows: Windows, spec: RecoverySpec, options: Options | None = None) -> Trained:
     """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
     options = options or Options()
-    model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha)
+    model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha, spec.seed)
     plain = None
     if sharding.active(spec):
-        if options.dense_heads:
-            raise RecoveryError("recovery.fsdp trains compact students (surgery.mode: remove); a dense (mask) "
-                                "student's pruned heads are kept at zero in whole weights: recover it without fsdp")
+        if options.dense_heads and spec.method != "lora":
+            raise RecoveryError(f"recovery.fsdp trains a dense (mask) student with lora only: {spec.method} keeps its "
+                                "pruned heads at zero in whole weights; set recovery.method: lora, or recover it "
+                                "without fsdp")
         plain = sharding.skeleton(model)
         sharding.shard(model)
     steps = len(windows.train) // spec.batch_size
@@ -246,7 +247,7 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     for k in range(start, steps):
         rows = torch.arange(k * spec.batch_size, (k + 1) * spec.batch_size)
         last = step(model, targets, windows, rows, spec, opt, sched)
-        methods.keep_pruned_zero(model, options.dense_heads)
+        methods.keep_pruned_zero(model, None if spec.method == "lora" else options.dense_heads)  # lora: frozen
         done = k + 1
         if done % every == 0 or done == steps:
             _validate(model, targets, windows, spec, guard, done)

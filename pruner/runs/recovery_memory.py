@@ -37,7 +37,7 @@ def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool
            procs) -> list[str]:
     """Settings that would fit (at most three)."""
     tries = []
-    if method != "lora" and not spec.fsdp:
+    if method != "lora":
         tries.append(("recovery.method: lora", spec, "lora", teacher_held))
     if spec.teacher == "resident":
         tries.append(("recovery.teacher: cached", spec.model_copy(update={"teacher": "cached"}), method, False))
@@ -66,7 +66,7 @@ def choose(student, teacher, spec: RecoverySpec, *, teacher_held: bool, teacher_
     est = estimate(student, teacher, spec, method, teacher_held, teacher_bytes)
     if _fits(est, held, free, procs):
         return spec.model_copy(update={"method": method}), est, None
-    if spec.method is None and not spec.fsdp:
+    if spec.method is None:
         lora = estimate(student, teacher, spec, "lora", teacher_held, teacher_bytes)
         if _fits(lora, held, free, procs):
             note = (f"recovery: training every weight needs about {gib(est.total)} and {gib(free // procs)} is free "
