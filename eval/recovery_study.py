@@ -27,9 +27,9 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,14 +43,17 @@ RECIPES = {"gpt2-shakespeare": "gpt2-shakespeare.yaml", "llama-shakespeare": "ll
 
 
 def cli(args: list[str]) -> tuple[float, float]:
-    """Run `pruner ARGS` in a child process; (wall seconds, the child's peak RSS in GiB)."""
+    """Run `pruner ARGS` in a child process; (wall seconds, this child's peak RSS in GiB: its own rusage, where
+    RUSAGE_CHILDREN's would be the largest of every child so far)."""
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out = subprocess.run([sys.executable, "-m", "pruner.cli", *args], capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"pruner {' '.join(args)} failed: {out.stderr[-2000:]}")
-    peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-    return time.perf_counter() - t0, peak / 2**20
+    with tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "pruner.cli", *args], stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode:
+            err.seek(0)
+            raise SystemExit(f"pruner {' '.join(args)} failed: {err.read()[-2000:]}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 2**20
 
 
 def run_folder(out: Path, model: str, sparsity: str) -> Path:
