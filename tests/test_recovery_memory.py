@@ -11,6 +11,7 @@ import torch
 
 import pruner
 from pruner.core import resume
+from pruner.core.runtime import model_bytes
 from pruner.recovery import memory, methods
 from pruner.recovery.data import RecoveryError
 from pruner.recovery.spec import RecoverySpec
@@ -65,7 +66,7 @@ def test_a_cached_teacher_that_is_let_go_is_not_counted_and_a_smaller_batch_is_o
     spec = RecoverySpec(**{**QUICK, "teacher": "cached"})
     held = recovery_memory.estimate(student, teacher, spec, "full", True)
     freed = recovery_memory.estimate(student, teacher, spec, "full", False)
-    assert held.total - freed.total == memory.model_bytes(teacher) == held.parts["teacher"]
+    assert held.total - freed.total == model_bytes(teacher) == held.parts["teacher"]
     big = spec.model_copy(update={"batch_size": 64, "length": 256})
     loaded = memory.held_now(student, teacher)
     full = recovery_memory.estimate(student, teacher, big, "full", False).total - loaded

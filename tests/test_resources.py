@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model
 
+from pruner.core.runtime import model_bytes
 from pruner.runs import resources
 from pruner.runs.resources import Sizes
 
@@ -15,7 +16,7 @@ def test_estimate_grows_with_what_is_asked():
     model = tiny_model("llama")
     small = resources.calibration_estimate(model, Sizes(batch_size=2, length=64))
     assert set(small.parts) == {"model", "statistics", "activations", "capture"}
-    assert small.parts["model"] == resources.model_bytes(model) > 0
+    assert small.parts["model"] == model_bytes(model) > 0
     bigger = resources.calibration_estimate(model, Sizes(batch_size=8, length=64))
     assert bigger.parts["activations"] == 4 * small.parts["activations"]  # linear in the batch
     longer = resources.calibration_estimate(model, Sizes(batch_size=2, length=128))

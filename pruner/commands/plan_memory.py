@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     from pruner.runs import memory_run
     from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
-    from pruner.runs.resources import available_memory, model_bytes
+    from pruner.core.runtime import model_bytes
+    from pruner.runs.resources import available_memory
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     m, cal = recipe.model, recipe.calibration

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pruner.core.runtime import model_bytes  # noqa: F401  (resources.model_bytes for its callers)
+from pruner.core.runtime import model_bytes
 
 GiB = 1 << 30
 # float32 tensors of shape (batch, heads, chunk, keys) alive at once in `stats.chunk_stats` (scores, masked
