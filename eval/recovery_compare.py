@@ -21,7 +21,8 @@ import torch
 
 import pruner
 from pruner.checkpoints import loading
-from recovery_study import DOMAINS, blocks, window_nll, windows  # beside this script: python puts eval/ on the path
+from recovery_study import (  # beside this script: python puts eval/ on the path
+    DOMAINS, blocks, reference_path, window_count, window_nll, windows)
 
 
 def main() -> None:
@@ -30,12 +31,12 @@ def main() -> None:
     ap.add_argument("run")
     ap.add_argument("a", metavar="A=MODEL_DIR")
     ap.add_argument("b", metavar="B=MODEL_DIR")
-    ap.add_argument("--windows", default="64", help="the windows eval/recovery_study.py scored: N or all")
+    ap.add_argument("--windows", type=window_count, default=64, help="the windows eval/recovery_study.py scored: N "
+                    "or all")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    count = None if args.windows == "all" else int(args.windows)
-    ref = json.loads((Path(args.run) / ("reference.json" if count == 64 else f"reference-{count or 'all'}.json"))
-                     .read_text())
+    count = args.windows
+    ref = json.loads(reference_path(Path(args.run), count).read_text())
     tok = loading.load_tokenizer(args.model)
     (na, pa), (nb, pb) = (x.split("=", 1) for x in (args.a, args.b))
     ma, mb = pruner.load(pa).float(), pruner.load(pb).float()

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from recovery_study import (  # beside this script: python puts eval/ on the path
-    ROOT, cells, cli, damage, nll, reference, run_folder)
+    ROOT, cells, cli, damage, nll, reference, run_folder, window_count)
 
 DEV = ("shakespeare:calibration", "python-docs:dev")
 
@@ -52,10 +52,10 @@ def main() -> None:
     ap.add_argument("sparsity")
     ap.add_argument("settings", nargs="+")
     ap.add_argument("--out", default=str(ROOT / "eval" / "results" / "recovery"))
-    ap.add_argument("--windows", default="64", help="each development split's windows to score, from its start: N "
-                    "or all")
+    ap.add_argument("--windows", type=window_count, default=64, help="each development split's windows to score, "
+                    "from its start: N or all")
     args = ap.parse_args()
-    out, count = Path(args.out), None if args.windows == "all" else int(args.windows)
+    out, count = Path(args.out), args.windows
     print("| setting | validation KL pruned / best (step of steps) | kept | "
           "ppl plays-dev base / pruned / recovered | R | ppl docs-dev base / pruned / recovered | R | wall s |")
     print("|---|---|---|---|---|---|---|---|")

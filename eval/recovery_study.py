@@ -77,6 +77,11 @@ def windows(tokenizer, domain: str, count: int | None = 64):
     return sliding_windows(tokenizer, data.load_texts(data.TextSource(domain)), 128, max_windows=count)
 
 
+def window_count(text: str) -> int | None:
+    """`--windows`: a count, or `all` (None: every window)."""
+    return None if text == "all" else int(text)
+
+
 def nll(model, tokenizer, domain: str, count: int | None = 64) -> float:
     """Mean next-token NLL per token on the windows of `domain` (the first `count`, or every one)."""
     total, n = window_nll(model, windows(tokenizer, domain, count))
@@ -108,12 +113,17 @@ def divergence(teacher, model, w, batch: int = 8) -> dict[str, list[float]]:
     return {"kl": kl, "entropy": ent, "entropy_teacher": ent_t}
 
 
+def reference_path(run: Path, count: int | None = 64, name: str = "reference.json") -> Path:
+    """Where a run keeps its `reference` for `count` windows: `name` for 64, `reference-all.json` for every one."""
+    return run / (name if count == 64 else name.replace(".json", f"-{count or 'all'}.json"))
+
+
 def reference(run: Path, model: str, domains: tuple[str, ...] = DOMAINS, name: str = "reference.json",
               plain: bool = True, count: int | None = 64) -> dict:
     """Base and pruned NLLs on `domains` (means, and per window with the pruned model's KL to the base) and
-    (`plain`) the plain-training throughput, computed once per run and kept in the run folder as `name`
-    (`reference-all.json` for every window: `count` None)."""
-    path = run / (name if count == 64 else name.replace(".json", f"-{count or 'all'}.json"))
+    (`plain`) the plain-training throughput, computed once per run and kept in the run folder
+    (`reference_path`)."""
+    path = reference_path(run, count, name)
     kept = json.loads(path.read_text()) if path.exists() else {}
     if kept and all("windows" in kept.get(d, {}) for d in domains) and (not plain or "plain_tokens_per_second" in kept):
         return kept
@@ -260,10 +270,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a `recovery:` setting for every config, e.g. temperature_generate=2.0 (chosen on "
                          "development text: eval/recovery_dev.py)")
-    ap.add_argument("--windows", default="64", help="how many of each held-out split's windows of 128 tokens to "
-                    "score, from its start, or `all` (default 64, the figures before 2026-12-04)")
+    ap.add_argument("--windows", type=window_count, default=64, help="how many of each held-out split's windows "
+                    "of 128 tokens to score, from its start, or `all` (default 64, the figures before 2026-12-04)")
     args = ap.parse_args()
-    count = None if args.windows == "all" else int(args.windows)
+    count = args.windows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
