@@ -164,10 +164,11 @@ def eager_model_pairs(model, batch, spec, metrics):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert", "gemma3_text"])
 def test_model_wide_pairs_equal_eager_reference(family):
     model = tiny_model(family)
-    batch = pad(ragged_batch(seed=3), pad_id=0, side="right")
+    window = getattr(model.config, "sliding_window", None)  # Gemma 3: every layer sees the same keys within it
+    batch = pad(ragged_batch(seed=3, max_len=window or 20, min_len=min(5, window or 5)), pad_id=0, side="right")
     spec = SinkSpec("first") if family in CAUSAL else SinkSpec("ids", ids=(1, 2))
     metrics = ("cosine", "js")
     wide = capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=3, metrics=metrics, across_layers=True),
@@ -187,6 +188,15 @@ def test_model_wide_pairs_equal_eager_reference(family):
             torch.testing.assert_close(getattr(wide, f), getattr(per_layer, f), rtol=0, atol=atol, msg=f)
         for k in per_layer.pairs:  # per-row work is float32: a (L*H)-head Gram matmul blocks differently
             torch.testing.assert_close(wide.pairs[k], per_layer.pairs[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.integration
+def test_model_wide_pairs_refuse_layers_that_see_different_keys():
+    """Beyond Gemma 3's sliding window its local and global layers see different keys: one line, no statistic."""
+    model = tiny_model("gemma3_text")  # window 8
+    batch = pad(ragged_batch(seed=3, min_len=12), pad_id=0, side="right")
+    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+        capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=("cosine",), across_layers=True))
 
 
 @pytest.mark.integration

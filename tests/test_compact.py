@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
-from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+from tiny import CAUSAL, FAMILIES, GQA, ragged_batch, tiny_model
 
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec
@@ -31,7 +31,6 @@ from pruner.pruning import surgery
 from pruner.pruning.compensation import compensation_bias
 
 pytestmark = pytest.mark.integration
-GQA = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def uneven_heads(family) -> dict[int, list[int]]:

@@ -49,7 +49,7 @@ def worst_relative(a, b) -> float:
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "gpt2", "gpt_neox", "bert"])
 def test_layer_by_layer_equals_all_resident_on_every_family(family, side):
     """Left padding too: the blocks must get the model's own attention mask (GPT-2 passes it by position)."""
     model = tiny_model(family)
@@ -62,7 +62,7 @@ def test_layer_by_layer_equals_all_resident_on_every_family(family, side):
     assert bool(a.outputs[0].uu.numel()) == cfg.channels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "gpt2", "gpt_neox", "bert"])
 def test_blocks_one_at_a_time_give_the_whole_models_logits_with_left_padding(family):
     """Every block gets what the model itself passes it, by keyword or by position (GPT-2 passes its causal mask
     by position: without it, real tokens would attend to the left padding)."""
@@ -265,7 +265,7 @@ def test_what_needs_the_whole_model_says_so(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gpt_neox", "bert-mlm"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text", "gpt2", "gpt_neox", "bert-mlm"])
 def test_the_gradient_pass_block_by_block_equals_the_whole_models(family, side):
     """Michel et al.'s per-example |dL/d xi| backpropagated a block at a time from stored block inputs: the whole
     model's one-example-at-a-time backward, in float64 (both keep the masks in float32), and no weight left with

@@ -71,7 +71,7 @@ def test_paired_delta_and_bootstrap():
         paired_delta(base, (worse[0], c + 1))
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen2", "gemma3_text"])
 def test_next_token_nll_a_slice_at_a_time_is_the_whole_logits_loss(family, monkeypatch):
     """The NLL of each position from the head applied a slice of positions at a time (no (B, T, vocab) logits at
     once) equals the loss of the model's own forward, padding and ignored labels included."""

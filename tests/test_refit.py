@@ -206,7 +206,7 @@ def copy_head(model, family: str, layer: int, src: int, dst: int, value_map: tor
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "gemma3_text"])
 def test_no_head_pruned_is_the_identity(family):
     model, batch = tiny_model(family), pad(ragged_batch(seed=1), 0)
     before = logits(model, batch)
@@ -247,7 +247,7 @@ def test_heads_the_kept_ones_rebuild_exactly_leave_the_outputs_unchanged(family,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "qwen2", "gemma3_text"])
 def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     """Scoped mask == permanent mask == removal == the saved checkpoint reloaded (1e-5); no config change
     without an output-projection bias (Llama: no attention_bias)."""
@@ -269,7 +269,7 @@ def test_refit_mask_equals_remove_equals_vanilla_reload(family, tmp_path):
     torch.testing.assert_close(logits(removed, batch), scoped, rtol=0, atol=1e-5)
     assert not getattr(dense.config, "attention_bias", False)
     assert not getattr(dense, "_pruner_bias_not_in_config", False)
-    assert all((arch.o_bias(dense, i) is None) == (family in ("llama", "qwen2")) for i in range(2))
+    assert all((arch.o_bias(dense, i) is None) == (family in ("llama", "qwen2", "gemma3_text")) for i in range(2))
     tok = word_tokenizer()
     assert folders.save_checkpoint(dense, tok, tmp_path / "dense", removed=False).max_diff <= export.ATOL
     if family == "llama":  # uniform: 2 of 4 heads over 2 KV heads in each layer, explicit head_dim: compact saves

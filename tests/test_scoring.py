@@ -157,7 +157,7 @@ def llama_inputs_fresh():
     return model, batch, calibrate(model, batch, SinkSpec("first"))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
 def test_output_norm_is_the_mean_squared_norm_after_w_o(family):
     """Sandoval-Segura et al.'s score: E||W_O,h o_h||^2 over real tokens, from the output projection's input."""
     model = tiny_model(family)

@@ -39,7 +39,7 @@ def test_the_nearest_servable_count_moves_a_rounding_and_refuses_a_leap():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("family,prunes", [("llama", (2,)), ("mistral", (2,)), ("qwen2", (2,)), ("qwen3", (2,)),
+@pytest.mark.parametrize("family,prunes", [("llama", (2,)), ("mistral", (2,)), ("qwen2", (2,)), ("qwen3", (2,)), ("gemma3_text", (2,)),
                                            ("gpt2", None), ("gpt_neox", None)])
 def test_which_families_have_servable_shapes(family, prunes):
     """4 query / 2 KV heads: keeping every KV head, 2 per layer can go; GPT-2 and GPT-NeoX derive the head width

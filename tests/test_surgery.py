@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
+from tiny import CAUSAL, FAMILIES, GQA, ragged_batch, tiny_model
 
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec
@@ -25,7 +25,7 @@ def logits(model, batch):
 
 def heads_for(family) -> dict[int, list[int]]:
     # GQA families (4 query heads over 2 KV heads): one head per group, or a whole group
-    return {0: [1, 3], 1: [2, 3]} if family in ("llama", "mistral", "qwen2", "qwen3") else {0: [1, 3], 1: [0]}
+    return {0: [1, 3], 1: [2, 3]} if family in GQA else {0: [1, 3], 1: [0]}
 
 
 def outputs_of(model, batch, family):
@@ -72,14 +72,11 @@ def test_mask_equals_remove(family, compensation):
     added_bias = 0
     if compensation == "mean":
         ad = arch.adapter_for(removed)
-        if family == "llama":  # attention_bias turned on: zero q/k/v/o biases everywhere
+        if family in ("llama", "qwen3", "gemma3_text"):  # attention_bias turned on: zero q/k/v/o biases everywhere
             added_bias = sum(arch.get(b, p).bias.numel() for b in arch.blocks(removed)
                              for p in (ad.q, ad.k, ad.v, ad.o_proj))
-        elif family in ("mistral", "qwen2", "qwen3"):  # o_proj bias added where pruned
+        elif family in ("mistral", "qwen2"):  # o_proj bias added where pruned
             added_bias = sum(arch.get(arch.blocks(removed)[layer], ad.o_proj).bias.numel() for layer in heads)
-            if family == "qwen3":
-                added_bias = sum(arch.get(b, p).bias.numel() for b in arch.blocks(removed)
-                                 for p in (ad.q, ad.k, ad.v, ad.o_proj))
     assert n_before - sum(p.numel() for p in removed.parameters()) + added_bias == expected
 
 
@@ -146,5 +143,5 @@ def test_unsupported_architecture_names_the_supported_ones():
 
     model = tf.OPTForCausalLM(tf.OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                            ffn_dim=32, vocab_size=32, word_embed_proj_dim=16))
-    with pytest.raises(arch.UnsupportedArchitecture, match="supported: bert, gpt2"):
+    with pytest.raises(arch.UnsupportedArchitecture, match="supported: bert, gemma3_text, gpt2"):
         arch.adapter_for(model)

@@ -23,6 +23,12 @@ def tiny_model(family: str, seed: int = 0):
                       hidden_size=32, intermediate_size=64, max_position_embeddings=128, **common)
         cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[family]
+    elif family == "gemma3_text":  # 4 query heads over 2 KV heads, a sliding-window layer then a global one
+        cfg = tf.Gemma3TextConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  hidden_size=32, intermediate_size=64, max_position_embeddings=128,
+                                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=16, **common)
+        cls = tf.Gemma3ForCausalLM
     elif family == "gpt_neox":
         cfg = tf.GPTNeoXConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
                                intermediate_size=64, max_position_embeddings=128, **common)
@@ -46,8 +52,10 @@ def tiny_model(family: str, seed: int = 0):
     return model
 
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "bert", "roberta")
-CAUSAL = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox"}
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox", "bert", "roberta")
+CAUSAL = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_neox"}
+GQA = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # 4 query heads over 2 KV heads
+QK_NORM = {"qwen3", "gemma3_text"}  # q/k RMSNorms: GGUF's `llama`/`deci` cannot hold them
 
 
 def ragged_batch(seed: int = 0, n: int = 6, max_len: int = 20, min_len: int = 5):

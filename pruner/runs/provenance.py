@@ -74,7 +74,7 @@ def model_identity(name_or_path: str, mlm_readout: str | None = None) -> dict:
     path = assets.resolve(name_or_path)
     if Path(path).exists():
         files = folder_files(Path(path), _is_model_file)
-        out = {"kind": "shipped" if name_or_path in (*assets.CHECKPOINTS, *assets.VARIANTS, "minilm") else "local",
+        out = {"kind": "shipped" if name_or_path in (*assets.CHECKPOINTS, *assets.VARIANTS, *assets.PACKAGED) else "local",
                "name": name_or_path, "files": files, "sha256": digest(files)}
         return {**out, "config_overrides": overrides} if overrides else out
     return {"kind": "hub", "name": name_or_path, "repo_id": name_or_path, "commit": _hub_commit(name_or_path)}

@@ -26,6 +26,7 @@ FORMAT_KEY = "pruner_format"
 PREFIX = "Pruned"
 # vanilla model_type -> packaged file (pruner/modeling/<file>.py) holding its per-layer classes
 FILES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+         "gemma3_text": "llama",
          "gpt_neox": "gpt_neox", "bert": "bert", "roberta": "bert"}
 
 

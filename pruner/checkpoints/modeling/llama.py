@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2 and Qwen3 with a different number of attention heads in each layer.
+"""Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) with a different number of attention heads in each layer.
 
 pruner (sink-aware attention-head pruning) writes this file next to the weights of
 a checkpoint whose layers kept different numbers of attention heads, or whose
@@ -23,6 +23,9 @@ torch.
 
 from torch import nn
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -130,3 +133,15 @@ class PrunedQwen3Model(PerLayerHeads, Qwen3Model):
 
 class PrunedQwen3ForCausalLM(PerLayerHeads, Qwen3ForCausalLM):
     config_class = PrunedQwen3Config
+
+
+class PrunedGemma3TextConfig(PerLayerConfig, Gemma3TextConfig):
+    model_type = "pruned_gemma3_text"
+
+
+class PrunedGemma3TextModel(PerLayerHeads, Gemma3TextModel):
+    config_class = PrunedGemma3TextConfig
+
+
+class PrunedGemma3ForCausalLM(PerLayerHeads, Gemma3ForCausalLM):
+    config_class = PrunedGemma3TextConfig
