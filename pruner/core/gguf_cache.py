@@ -19,6 +19,7 @@ folder (or all of `gguf/`) to clear it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -70,8 +71,24 @@ def folder(path: str | os.PathLike) -> Path:
     out = cache_root() / sha256(path)[:16]
     if (out / SOURCE_FILE).exists():  # written last: the folder is complete
         return out
-    _convert(path, out)
+    with _locked(out):  # several processes (test workers, ranks) asking at once: one converts, the others wait
+        if not (out / SOURCE_FILE).exists():
+            _convert(path, out)
     return out
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    """An exclusive lock on `<out>.lock` for the length of the block (released if the process dies)."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def source_sha256(folder: Path) -> str | None:
@@ -104,7 +121,7 @@ def _convert(path: Path, out: Path) -> None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        except (ValueError, OSError, RuntimeError, KeyError, IndexError, EOFError) as e:  # gguf's reader errors
+        except Exception as e:  # noqa: BLE001 - the GGUF reader fails on bad bytes in many ways (struct, numpy, KeyError)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise GGUFError(f"cannot read {path} as a model ({first}); the file may be truncated or corrupt, or "
                             "its architecture is one transformers' GGUF reader does not load") from None
