@@ -25,7 +25,8 @@ DATE = re.compile(rf"\b{_YEAR}-\d{{2}}-\d{{2}}\b"                       # 2026-1
 # A commit hash: 7 to 40 hex digits standing alone, with at least one digit and one letter (so neither a number
 # nor an English word such as "decade" or "effaced"), not a hexadecimal literal (0x...) and not a file digest
 # that a message prints after "sha256".
-HASH = re.compile(r"(?<![\w.-])(?<!0x)(?<!sha256 )(?<!sha256:)(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])")
+HASH = re.compile(r"(?<![\w.-])(?<!0x)(?<!sha256 )(?<!sha256:)"
+                  r"(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])")
 HISTORY = re.compile(r"\b(?:this|that|the same|earlier|later) (?:session|morning|afternoon|evening|night|day)\b"
                      r"|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th))"
                      r" session\b|\bsessions?\b|\bkept as it was\b|\byesterday\b|\bround \d+\b|\bround [IVX]+\b",
@@ -83,7 +84,8 @@ def test_history_marks_catches_a_planted_date_hash_or_history(planted):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("ordinary", ["a decade of effaced facade", "1234567 tokens and 2,097,152 more", "float16 and bfloat16",
+@pytest.mark.parametrize("ordinary", ["a decade of effaced facade", "1234567 tokens and 2,097,152 more",
+                                      "float16 and bfloat16",
                                       "ridge 1e-3, tolerance 1e-12", "sha256 19995c6d20c1 now", "0xdeadbeef1",
                                       "median of 5 interleaved rounds", "round(sqrt(heads/2)) clusters",
                                       "transformers 5.24, torch 2.13", "the 2048-token windows", "Llama-3.2-1B",
@@ -94,7 +96,8 @@ def test_history_marks_leaves_ordinary_words_alone(ordinary):
 
 @pytest.mark.unit
 def test_the_guide_and_the_readme_carry_no_dates_hashes_or_history():
-    found = [f"{page.relative_to(ROOT)}: {mark}" for page in guide_pages() for mark in history_marks(page.read_text())]
+    found = [f"{page.relative_to(ROOT)}: {mark}"
+             for page in guide_pages() for mark in history_marks(page.read_text())]
     assert not found, "dates, commit hashes and history belong on evidence pages (docs/evidence/):\n" + "\n".join(found)
 
 
