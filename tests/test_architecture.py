@@ -97,7 +97,7 @@ def _resolves(name: str) -> bool:
 @pytest.mark.unit
 def test_docs_name_only_modules_and_objects_that_exist():
     """Every `pruner.x.y` the README, the docs pages, the recipes and the shipped task YAMLs mention imports."""
-    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "recipes").glob("*.yaml"),
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "recipes").glob("*.yaml"),
              *(ROOT / "pruner" / "assets" / "tasks").rglob("*.yaml")]
     stale = sorted({f"{f.relative_to(ROOT)}: {n}" for f in files for n in _dotted_names(f.read_text())
                     if not _resolves(n.rstrip("."))})

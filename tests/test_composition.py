@@ -1,4 +1,4 @@
-"""Property tests for every identity of DESIGN section 4 (float64, 1e-9 relative)."""
+"""Property tests for every identity of docs/design.md §4 (float64, 1e-9 relative)."""
 
 from __future__ import annotations
 

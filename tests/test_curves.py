@@ -1,4 +1,4 @@
-"""Selection curves (DESIGN section 8.4): each layer's greedy order built from that layer alone, merged into the
+"""Selection curves (docs/design.md §8.4): each layer's greedy order built from that layer alone, merged into the
 plan the greedy over every layer at once gives -- exactly, for every budget, GQA mode, minimum and scorer."""
 
 from __future__ import annotations

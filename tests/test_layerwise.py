@@ -1,4 +1,4 @@
-"""Layer-by-layer calibration (`capture.onload: sequential`, DESIGN section 8.3): the same statistics and the same
+"""Layer-by-layer calibration (`capture.onload: sequential`, docs/design.md §8.3): the same statistics and the same
 plans as the all-resident pass, with one block in memory at a time, read from the checkpoint's safetensors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Refit compensation (DESIGN section 8.1): the closed form, the Schur-complement energy, the invariants.
+"""Refit compensation (docs/design.md §8.1): the closed form, the Schur-complement energy, the invariants.
 
 Unit tier: `pruner.pruning.refit` against an independent least-squares solve on synthetic
 float64 samples. Integration tier: tiny models of every family -- no head pruned is
@@ -393,7 +393,7 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     assert len(inputs.refit_systems()) == 2 and inputs.intercept == (True, True) and inputs.ridge == 1e-6
 
 
-# --- ridge auto: cross-validation over calibration folds (DESIGN section 8.2) -------------------------
+# --- ridge auto: cross-validation over calibration folds (docs/design.md §8.2) -------------------------
 
 
 def fold_sums(x: torch.Tensor, k: int):

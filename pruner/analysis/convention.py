@@ -1,4 +1,4 @@
-"""The convention audit of one model (DESIGN section 5): what changes when the sink is removed?
+"""The convention audit of one model (docs/design.md §5): what changes when the sink is removed?
 
 Pure functions of captured statistics: `HeadStats` in (with `model_pairs`, every
 head of the model against every other, from `CaptureConfig(across_layers=True)`),
@@ -15,7 +15,7 @@ against the one under CONTENT (sink removed, renormalised):
   sink mass: structure that is a sink artefact shows up there;
 - with a second, paired state of the model (same token rows), the exact
   attribution of each head's entropy change to the sink and content channels
-  (DESIGN section 4).
+  (docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def cluster_metric(full: Tensor, content: Tensor, sink_mass: Tensor, similarity:
 # --------------------------------------------------------------------------- entropy attribution
 
 def entropy_attribution(reference: HeadStats, stats: HeadStats) -> dict:
-    """Attribute each head's entropy change, reference -> stats, to sink and content (DESIGN section 4).
+    """Attribute each head's entropy change, reference -> stats, to sink and content (docs/design.md §4).
 
     Applied to the head-level means of the two paired states (the same token
     rows): g = mean H_b(s) + s H(c_S), w = mean 1 - s and the content-weighted

@@ -1,6 +1,6 @@
 """The convention audit: do conclusions about heads survive removing the sink?
 
-Pure functions of head x head matrices (DESIGN section 5). A matrix is either a
+Pure functions of head x head matrices (docs/design.md §5). A matrix is either a
 similarity (larger = more alike, e.g. cosine) or a distance (e.g. JS).
 """
 

@@ -281,7 +281,7 @@ def report_markdown(res: dict, figures: list[str]) -> str:
         per, ov = att["per_layer"], att["overall"]
         lines += [f"## Entropy attribution: {att['reference']} -> {res['model']}", "",
                   "Exact split of the change of each head's mean entropy into a sink part (sink mass and "
-                  "within-sink spread) and a content part (spread over content tokens), DESIGN section 4; "
+                  "within-sink spread) and a content part (spread over content tokens), docs/design.md §4; "
                   "layers and the whole model are means over heads.", "",
                   markdown_table(["layer", "full-entropy change", "sink part", "content part", "sink share"],
                                  [[i, f"{per['delta'][i]:+.3f}", f"{per['sink_part'][i]:+.3f}",

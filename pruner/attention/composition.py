@@ -8,7 +8,7 @@ shape:
 - `sink`  -- keys in the sink set S (a subset of `valid` is used).
 
 Content set C = valid & ~sink. Float64 inputs are computed in float64 (the
-identities of DESIGN section 4 then hold to ~1e-12); float32 stays float32 (the
+identities of docs/design.md §4 then hold to ~1e-12); float32 stays float32 (the
 streaming capture's per-row work; its sums are float64); half precision is
 upcast to float32.
 

@@ -287,7 +287,7 @@ def _log_normaliser(z: Tensor, a: Tensor, z_s: Tensor, a_sr: Tensor, w: Tensor) 
 
 
 def _finish(acc: _Rows, keys: LayerKeys, metrics: tuple[str, ...], dormant_threshold: float) -> LayerStats:
-    """The layer's sums from its per-row sums: the entropy grouping terms per row (DESIGN section 4)
+    """The layer's sums from its per-row sums: the entropy grouping terms per row (docs/design.md §4)
     without forming the compositions, with T_S = sum_{j in S} a_j log a_j and T_C from `_fold_chunk`:
     s H(c_S) = s log s - T_S, (1 - s) H(c) = (1 - s) log(1 - s) - T_C, H(a) = -(T_S + T_C)."""
     w, wc = keys.w, keys.wc  # (B, T)

@@ -64,7 +64,7 @@ class OutputMoments:
 
     def first_moments(self) -> "OutputMoments":
         """The token count and the sums of o, u and w alone (second moments empty): what the stages after selection
-        read of a layer (mean compensation, reports) once its selection curve is built (DESIGN section 8.4)."""
+        read of a layer (mean compensation, reports) once its selection curve is built (docs/design.md §8.4)."""
         none = self.o.new_zeros(0)
         return OutputMoments(self.tokens, self.o, self.u, self.w, none, none, none, none)
 

@@ -1,6 +1,6 @@
 """Which keys are sinks: a sink specification turned into a (batch, k_pos) mask.
 
-Modes (DESIGN section 2):
+Modes (docs/design.md §2):
 
 - `first`     -- the first non-pad token of each sequence (decoder default);
 - `bos`       -- every BOS token (falls back to `[CLS]` for BERT-style tokenizers);

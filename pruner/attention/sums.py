@@ -5,7 +5,7 @@ rows into a `LayerStats` of sums; `LayerStats` add (batches, processes), and `fi
 divides once at the end. Because only sums and counts are kept, batch size,
 batch order, padding and query chunking cannot change any statistic.
 
-Definitions (DESIGN section 5):
+Definitions (docs/design.md §5):
 
 - head-level rows: non-pad query rows whose query token is not a sink;
 - sink mass, full entropy, dormancy: means over head-level rows;

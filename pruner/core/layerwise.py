@@ -1,4 +1,4 @@
-"""Running a model one block at a time (DESIGN section 8.3): the chain h_{l+1} = block_l(h_l), loops swapped.
+"""Running a model one block at a time (docs/design.md §8.3): the chain h_{l+1} = block_l(h_l), loops swapped.
 
 A decoder's statistics of layer l depend only on h_l, so instead of every window through every block,
 every window goes through one block before the next block is loaded: the inputs of the first block

@@ -1,4 +1,4 @@
-"""Compensation: what pruned heads leave behind in the output projection (DESIGN section 8), from the
+"""Compensation: what pruned heads leave behind in the output projection (docs/design.md §8), from the
 calibration moments of the unpruned model: nothing (`zero`), their mean output folded into the bias (`mean`),
 or the kept heads' output columns refitted by ridge least squares to rebuild them (`refit`, the ridge fixed
 or cross-validated per layer). The value, a `surgery.Compensation`, is applied alike by every surgery."""

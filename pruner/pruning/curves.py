@@ -1,4 +1,4 @@
-"""Selection curves: each layer's greedy removal order, built from that layer alone (DESIGN section 8.4).
+"""Selection curves: each layer's greedy removal order, built from that layer alone (docs/design.md §8.4).
 
 Every scorer prices a layer's heads from that layer's sums (plus per-layer scalars such as the
 residual norm R_l), and an adaptive scorer re-scores only the layer a removal changed. So the

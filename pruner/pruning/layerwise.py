@@ -86,7 +86,7 @@ def refit_oneshot_pass(model, plans: list[dict[int, list[int]]], batch: TokenBat
                        chunk_size: int | None = None, device="cpu", batch_size: int = 8,
                        progress: bool = False) -> list[Compensation]:
     """One-shot refit of every plan in one layer-by-layer pass over the unpruned model, each layer's output
-    moments captured again, fitted for every plan that prunes it, and dropped (DESIGN section 8.4).
+    moments captured again, fitted for every plan that prunes it, and dropped (docs/design.md §8.4).
 
     What a layer-by-layer calibration does not keep -- each layer's joint second moments and fold moments --
     once the plan is known, at the cost of one more pass: the same fits as `compensation.compensate` on the

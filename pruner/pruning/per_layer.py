@@ -1,4 +1,4 @@
-"""What calibration computes of a layer the moment its sums are final, so that the sums can go (DESIGN 8.4).
+"""What calibration computes of a layer the moment its sums are final, so that the sums can go (docs/design.md §8.4).
 
 Selection reads a layer only through its curves (`pruner.pruning.curves`); a per-layer budget's compensation
 reads only that layer's sums and weights. So, with the layer's block still in memory and its sums whole

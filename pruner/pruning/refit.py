@@ -1,6 +1,6 @@
 """Refit compensation: the kept heads' output-projection columns take over what the pruned ones wrote.
 
-Pure float64 tensor math (DESIGN section 8.1); `pruner.pruning.surgery` does the plumbing.
+Pure float64 tensor math (docs/design.md §8.1); `pruner.pruning.surgery` does the plumbing.
 
 Per layer, x (D,) is the output projection's input (D = heads * d_head, the
 concatenated head outputs), W (d_model, D) the projection, P / K the channels of
@@ -300,7 +300,7 @@ def silent(mu: Tensor | None, s: Tensor) -> bool:
     return var <= 1e-12 * scale
 
 
-# --- choosing the ridge by cross-validation (DESIGN section 8.2) -------------------------------------
+# --- choosing the ridge by cross-validation (docs/design.md §8.2) ------------------------------------
 
 RIDGE_GRID = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, math.inf)  # relative to the mean diagonal
 

@@ -244,7 +244,7 @@ def _refit_energy(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
 
     Importance of head h in layer l, given the heads P already pruned there:
     (E_l(P + h) - E_l(P)) / R_l, with E_l(P) = tr(W_P (S_PP - S_PK (S_KK + lam I)^-1 S_KP) W_P^T)
-    the energy the kept heads' refitted columns cannot rebuild (DESIGN section 8.1).
+    the energy the kept heads' refitted columns cannot rebuild (docs/design.md §8.1).
     A head is cheap exactly when the other heads of its layer -- their sink channels
     included, which write a near-constant vector -- reconstruct its output: literal
     redundancy, and dormant near-constant heads. Greedy and re-scored after every

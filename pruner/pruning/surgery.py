@@ -9,7 +9,7 @@ A head set is `{layer: [head, ...]}` in the *original* head numbering.
                      projection's input columns; update module attributes and,
                      where the config can express it, the config.
 
-Compensation (DESIGN section 8) is a `Compensation` value, computed from the
+Compensation (docs/design.md §8) is a `Compensation` value, computed from the
 captured `OutputMoments` by `compensate` and accepted by every surgery alike:
 
 - `zero`  -- nothing: the pruned heads' output is simply gone;

@@ -1,8 +1,8 @@
 """The compensation stage: what a plan's pruned heads leave in the output projections, from the calibration's
 sums where they are still whole, and from one more pass over the blocks where they were dropped.
 
-A layer-by-layer calibration keeps only each layer's first moments once its curves are built (DESIGN
-section 8.4). So mean compensation (first moments) is computed from what is kept; a refit of a per-layer
+A layer-by-layer calibration keeps only each layer's first moments once its curves are built (docs/design.md
+§8.4). So mean compensation (first moments) is computed from what is kept; a refit of a per-layer
 budget was computed as each layer finished (`pruner.pruning.per_layer.LocalCompensation`); a one-shot refit
 of a global budget, or of the plans `compare` makes, captures each layer's output moments again, fits and
 drops them (`pruner.pruning.layerwise.refit_oneshot_pass`); a sequential refit runs its own pass as ever.

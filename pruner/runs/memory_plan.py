@@ -14,7 +14,7 @@ geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
   -- its whole sums, its W_O^T W_O and the work of its curves (the refit-aware scorer's system, the cross
   energy) and of a per-layer budget's refit; throughout, every window's hidden states and what is kept of the
   finished layers (first moments, pair matrices, curves: small). Nothing of a layer's second moments is kept
-  once its curves are built, so host memory does not grow with depth (DESIGN section 8.4).
+  once its curves are built, so host memory does not grow with depth (docs/design.md §8.4).
 
 On a CPU the weights are memory-mapped from the checkpoint: the page cache, which the kernel can drop, not the
 process's anonymous memory; so are the refit's new output-projection columns (`pruner.core.layerwise.

@@ -11,7 +11,7 @@ from pruner.runs.recipe import SurgerySpec
 def capture_reads(scorers: list[Scorer], kinds: list[str], spec: SurgerySpec, layerwise: bool,
                   local: bool) -> tuple[bool, int]:
     """(joint, folds): whether the calibration pass accumulates the joint second moments of the head outputs,
-    and for how many folds -- only where a stage reads them (DESIGN section 8.4).
+    and for how many folds -- only where a stage reads them (docs/design.md §8.4).
 
     The joint moments: for the scorers that price heads with them (refit-aware, sink-aware) and for a one-shot
     refit computed from this pass (the whole model in memory, or a per-layer budget compensated as each layer
