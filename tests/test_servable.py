@@ -94,3 +94,22 @@ def test_the_per_layer_form_says_which_runtimes_will_not_load_it(tmp_path, capsy
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model/:"))
     assert "per-layer" in line and "vLLM, TGI, SGLang and ONNX Runtime GenAI load vanilla checkpoints only" in line
     assert "llama.cpp runs a Llama or Mistral one: pruner export RUN --format gguf" in line
+
+
+@pytest.mark.integration
+def test_gemma_serves_the_uniform_counts_its_config_refuses_through_llama_cpp():
+    """Gemma 3 with one KV head: 3 of 4 heads (32 % 3 != 0) is refused by its config but every layer keeps the
+    same count, which llama.cpp's gemma3 runs: a servable shape, written in the per-layer form, saying why."""
+    import transformers as tf
+
+    from pruner.pruning import surgery
+
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                              hidden_size=32, intermediate_size=64, vocab_size=64, layer_types=["full_attention"] * 2)
+    model = tf.Gemma3ForCausalLM(cfg).eval()
+    assert layout.servable_prunes(model) == (0, 1, 2, 3)
+    surgery.remove_heads(model, {0: [1], 1: [2]})
+    why = layout.vanilla_reason(model)
+    assert "rejects a gemma3_text config with 3 heads" in why and "llama.cpp's gemma3 runs it from `pruner export RUN --format gguf`" in why
+    assert layout.layout(model, removed=True)[0] == "per-layer"

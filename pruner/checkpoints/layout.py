@@ -36,6 +36,9 @@ LAYOUTS = ("dense", "vanilla", "per-layer")
 # (Llama's config checks hidden_size % num_attention_heads; Mistral's does not: Mistral-NeMo ships hidden 5120 with
 # 32 heads of 128). Keys a Mistral config has no use for are dropped; the biases it cannot declare are refused.
 SERVED_AS = {"llama": ("mistral", "MistralConfig", "MistralForCausalLM")}
+# families whose every uniform head count llama.cpp runs from GGUF (its gemma3 architecture takes any count), also
+# where transformers' config refuses it (Gemma 3: hidden_size % heads): servable shapes, written in the per-layer form
+GGUF_UNIFORM = {"gemma3_text": "llama.cpp's gemma3"}
 _NOT_CARRIED = ("attention_bias", "mlp_bias", "pretraining_tp", "model_type", "architectures", "head_dim")
 
 
@@ -92,6 +95,7 @@ def servable_prunes(model, gqa: str = "equal") -> tuple[int, ...] | None:
     `gqa` "equal" keeps every KV head (the same number of query heads left in each group), "group" removes
     whole KV groups. Each count is checked by the family's own config validation, or for Llama, whose config
     requires hidden_size % heads == 0, by Mistral's (`SERVED_AS`): every multiple of the KV heads is servable.
+    Gemma 3 keeps the counts its config refuses too (`GGUF_UNIFORM`): llama.cpp serves them from GGUF.
     """
     if not arch.adapter_for(model).explicit_head_dim:
         return None
@@ -101,7 +105,7 @@ def servable_prunes(model, gqa: str = "equal") -> tuple[int, ...] | None:
     out = []
     for q, kv in kept:
         counts = {"num_attention_heads": q, "num_key_value_heads": kv, "head_dim": g.head_dim}
-        if isinstance(_config_for(model.config, counts), str):
+        if isinstance(_config_for(model.config, counts), str) and model.config.model_type not in GGUF_UNIFORM:
             continue
         out.append(g.n_heads - q)
     return tuple(sorted(out))
@@ -144,6 +148,8 @@ def vanilla_form(model) -> Vanilla | str:
     if len(set(q)) != 1 or len(set(kv)) != 1:
         return f"its head counts differ between layers ({_counts_text(model)})"
     config = _config_for(model.config, vanilla_updates(model))
+    if isinstance(config, str) and kind in GGUF_UNIFORM:
+        return f"{config} (every layer keeps {q[0]} heads: {GGUF_UNIFORM[kind]} runs it from `pruner export RUN --format gguf`)"
     if isinstance(config, str) or type(config) is type(model.config):
         return config if isinstance(config, str) else Vanilla(config, None, None)
     cls = SERVED_AS[kind][2]
