@@ -3,6 +3,7 @@ evaluation splits report (issue 48, item 5).
 
     python eval/gemma_study.py --split dev         [--windows 32]  [--targets 0.25,0.5] [--scorers a,b]
     python eval/gemma_study.py --split evaluation  [--windows 256] [--scorers refit-energy,cosine,entropy]
+                                                   [--compensations refit]
     python eval/gemma_study.py --tables            (prints the tables of every results file written)
 
 One calibration pass per split (64 windows of 128 tokens, the three shipped kinds of text mixed in equal
@@ -89,13 +90,14 @@ def nll(s, windows: EvalWindows, heads=None, comp=None) -> tuple[torch.Tensor, t
     return got, count
 
 
-def cells(split: str, scorers: list[str], targets: list[float], windows: int, path: Path) -> list[dict]:
+def cells(split: str, scorers: list[str], targets: list[float], compensations: list[str], windows: int,
+          path: Path) -> list[dict]:
     """Every (scorer, target, compensation, kind of text) cell not already in `path`; records appended as they
     finish."""
     records = json.loads(path.read_text()) if path.exists() else []
     done = {(r["scorer"], r["target"], r["compensation"], r["text"]) for r in records}
     todo = [(n, t) for n in scorers for t in targets
-            if any((n, t, c, k) not in done for c in COMPENSATIONS for k in KINDS)]
+            if any((n, t, c, k) not in done for c in compensations for k in KINDS)]
     if not todo:
         return records
     corpora, kinds = texts(split)
@@ -110,12 +112,12 @@ def cells(split: str, scorers: list[str], targets: list[float], windows: int, pa
     cfg0 = pipeline.selection_config(s.recipe, s.model, targets[0])
     keys = tuple(dict.fromkeys(curve_key(get_scorer(n), geom, cfg0) for n in names))
     t0 = time.time()
-    inputs = pipeline.scoring_inputs(s, [get_scorer(n) for n in names], CurveRequest(keys), list(COMPENSATIONS),
+    inputs = pipeline.scoring_inputs(s, [get_scorer(n) for n in names], CurveRequest(keys), compensations,
                                      progress=True)
     print(f"calibration and scores: {time.time() - t0:.0f} s", flush=True)
     for name, target in todo:
         plan = select(get_scorer(name), inputs, geom, pipeline.selection_config(s.recipe, s.model, target))
-        for kind in COMPENSATIONS:
+        for kind in compensations:
             spec = s.recipe.surgery.model_copy(update={"compensation": kind})
             comp = compensating.compensation(s.model, plan.heads, spec, inputs)
             for text, w in scored.items():
@@ -162,6 +164,7 @@ def main() -> None:
                                                                 "evaluation 256)")
     p.add_argument("--targets", default="0.25,0.5")
     p.add_argument("--scorers", default=",".join(SCORERS))
+    p.add_argument("--compensations", default=",".join(COMPENSATIONS))
     p.add_argument("--tables", action="store_true")
     a = p.parse_args()
     if a.tables or a.split is None:
@@ -171,8 +174,8 @@ def main() -> None:
         return
     OUT.mkdir(parents=True, exist_ok=True)
     windows = a.windows or (32 if a.split == "dev" else 256)
-    records = cells(a.split, a.scorers.split(","), [float(t) for t in a.targets.split(",")], windows,
-                    OUT / f"{a.split}.json")
+    records = cells(a.split, a.scorers.split(","), [float(t) for t in a.targets.split(",")],
+                    a.compensations.split(","), windows, OUT / f"{a.split}.json")
     print(tables(records))
 
 
