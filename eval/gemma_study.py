@@ -49,8 +49,8 @@ RECIPE = ROOT / "recipes" / "gemma3-270m.yaml"
 SCORERS = ("refit-energy", "sink-aware", "cosine", "entropy", "bos-sink", "output-norm", "fluctuation",
            "gradient", "ablation")
 COMPENSATIONS = ("zero", "mean", "refit")
-SETTINGS = ["selection.shape=any", "selection.budget=global", "calibration.num_samples=64", "threads=2",
-            "capture.metrics=[cosine]"]
+SETTINGS = ["selection.shape=any", "selection.budget=global", "calibration.num_samples=64",
+            "capture.metrics=[cosine]"]  # threads: torch's default (OMP_NUM_THREADS)
 KINDS = ("plays", "python-docs", "package-docs")
 
 
