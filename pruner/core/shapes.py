@@ -26,7 +26,8 @@ SHAPES: dict[str, dict] = {
     # meta-llama/Llama-3.3-70B-Instruct: Llama-3-70B's shape with Llama 3.1's long context
     "llama-3.3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                          max_position_embeddings=131072, tie_word_embeddings=False, eos_token_id=[128001, 128008, 128009],
+                          max_position_embeddings=131072, tie_word_embeddings=False,
+                          eos_token_id=[128001, 128008, 128009],
                           rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
     # meta-llama/Llama-3.2-1B
