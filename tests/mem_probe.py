@@ -13,14 +13,10 @@ large pytest process would see no growth at all.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-
-def _status_mib(key: str) -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
+from pruner.core.proc_status import PeakGrowth
 
 
 def moments(N: int) -> None:
@@ -33,10 +29,9 @@ def moments(N: int) -> None:
     u = [torch.randn(1, N, 16, 128, generator=g) for _ in range(2)]
     rows = torch.ones(1, N, dtype=torch.bool)
     running = output_moments(o[0], u[0], rows, True, channels=False, joint=True)
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status_mib("VmRSS")
-    running.add_(output_moments(o[1], u[1], rows, True, channels=False, joint=True))
-    print(_status_mib("VmHWM") - base)
+    with PeakGrowth() as peak:
+        running.add_(output_moments(o[1], u[1], rows, True, channels=False, joint=True))
+    print(peak.bytes / 2**20)
 
 
 def main() -> None:
@@ -59,17 +54,16 @@ def main() -> None:
     batch = TokenBatch(ids, torch.ones_like(ids))
     with torch.no_grad():
         model(input_ids=ids[:, :8])  # warm up allocator and lazy imports
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-    base = _status_mib("VmRSS")
     spec = SinkSpec("first")
-    if mode == "plain":
-        with torch.no_grad():
-            model(input_ids=ids)
-    elif mode == "capture":
-        capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=64, metrics=("cosine",)))
-    else:
-        eager_stats(model, batch, spec, metrics=("cosine",))
-    print(_status_mib("VmHWM") - base)
+    with PeakGrowth() as peak:
+        if mode == "plain":
+            with torch.no_grad():
+                model(input_ids=ids)
+        elif mode == "capture":
+            capture_stats(model, batch, spec, config=CaptureConfig(chunk_size=64, metrics=("cosine",)))
+        else:
+            eager_stats(model, batch, spec, metrics=("cosine",))
+    print(peak.bytes / 2**20)
 
 
 if __name__ == "__main__":

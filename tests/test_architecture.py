@@ -39,15 +39,16 @@ def test_import_layers_hold():
 @pytest.mark.unit
 def test_no_undefined_or_unused_names():
     """`ruff check --select F,E9`: undefined names, unused imports, syntax errors (a moved function caught early)."""
-    out = subprocess.run([_tool("ruff"), "check", "--no-cache", "--select", "F,E9", "pruner", "tests", "eval"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run([_tool("ruff"), "check", "--no-cache", "--select", "F,E9", "pruner", "tests", "eval", "scripts"],
+                         cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-4000:]
 
 
 @pytest.mark.unit
 def test_no_module_over_400_lines_and_no_function_over_60():
     big, long = [], []
-    for path in sorted([*(ROOT / "pruner").rglob("*.py"), *(ROOT / "eval").glob("*.py")]):
+    scripts = [*(ROOT / "eval").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]
+    for path in sorted([*(ROOT / "pruner").rglob("*.py"), *scripts]):
         text = path.read_text()
         if path.is_relative_to(ROOT / "pruner") and len(text.splitlines()) > MAX_MODULE_LINES:
             big.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
@@ -69,8 +70,9 @@ def test_every_layer_says_its_job_in_one_line():
 
 @pytest.mark.unit
 def test_eval_scripts_import_the_installed_package():
-    """No `sys.path` edits: eval/ and the test helpers import pruner as installed (editable)."""
-    hacks = [str(p.relative_to(ROOT)) for p in [*(ROOT / "eval").glob("*.py"), *(ROOT / "tests").glob("*.py")]
+    """No `sys.path` edits: eval/, scripts/ and the test helpers import pruner as installed (editable)."""
+    hacks = [str(p.relative_to(ROOT)) for p in [*(ROOT / "eval").rglob("*.py"), *(ROOT / "scripts").glob("*.py"),
+                                                 *(ROOT / "tests").glob("*.py")]
              if re.search(r"^\s*sys\.path(\.insert|\[)", p.read_text(), re.M)]
     assert not hacks, hacks
 

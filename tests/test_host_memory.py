@@ -11,10 +11,9 @@ GLIBC = pytest.mark.skipif(not Path("/proc/self/status").exists() or platform.li
                            reason="glibc's allocator, and RssAnon read from Linux's /proc")
 
 ANON = """
-from pathlib import Path
+from pruner.core.proc_status import status
 def anon():
-    line = [l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('RssAnon')][0]
-    return int(line.split()[1]) * 1024
+    return status()["RssAnon"]
 """
 
 SCRIPT = ANON + """

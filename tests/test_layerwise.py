@@ -18,7 +18,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.checkpoints.lazy import lazy_model
 from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.cli import main
-from pruner.core import assets
+from pruner.core import assets, shapes
 from pruner.core.data import TextSource, load_texts, pad, token_windows
 from pruner.core.layerwise import Resident
 
@@ -331,10 +331,7 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     """`pruner plan-memory`: Llama-3.3-70B's public config, no weights, the default recipe on one GPU: the parts are
     the geometry's arithmetic, and layer by layer the host holds one layer's second moments at a time (issue 33:
     host <= 32 GiB and device <= 16 GiB at 128 x 2048 tokens, where every layer's sums once took 200 GiB)."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
-           "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-           "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    cfg = shapes.config_kwargs("llama-3.3-70b", architectures=["LlamaForCausalLM"])
     (tmp_path / "llama70").mkdir()
     (tmp_path / "llama70" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "r.yaml").write_text(f"model: {{path: {tmp_path / 'llama70'}, dtype: bfloat16, device: cuda}}\n"

@@ -15,6 +15,7 @@ import torch
 
 from pruner.checkpoints import gguf_file, llamacpp, loading
 from pruner.cli import main
+from pruner.core import shapes
 from pruner.pruning import surgery
 
 pytestmark = [pytest.mark.llama_cpp, pytest.mark.integration]
@@ -95,21 +96,11 @@ def test_bench_in_llama_cpp_reports_each_figure_next_to_its_ideal(tmp_path, caps
     assert (run / "bench-llama.cpp.md").exists()
 
 
-REAL = {  # real widths of public configs, few layers: what the benchmarks build (eval/bench_pruned.py)
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 8192}),
-    "mistral-7b-v0.3": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                            head_dim=128, vocab_size=32768, max_position_embeddings=32768, rms_norm_eps=1e-5,
-                            sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-}
+REAL = ("llama-3.2-1b", "mistral-7b-v0.3")  # public configs' real widths, few layers (pruner.core.shapes)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(REAL))
+@pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("heads", [{0: list(range(0, 32, 4)), 1: list(range(0, 32, 4))},  # 25%, uniform
                                    {0: list(range(16)), 1: list(range(0, 32, 2))}])        # 50% / 50%, groups differ
 def test_real_width_random_models_generate_pytorchs_tokens(tmp_path, name, heads):
@@ -117,8 +108,7 @@ def test_real_width_random_models_generate_pytorchs_tokens(tmp_path, name, heads
 
     torch.manual_seed(0)
     cls = tf.LlamaForCausalLM if name.startswith("llama") else tf.MistralForCausalLM
-    cfg_cls = tf.LlamaConfig if name.startswith("llama") else tf.MistralConfig
-    model = cls(cfg_cls(num_hidden_layers=2, **REAL[name])).eval()
+    model = cls(shapes.config(name, num_hidden_layers=2)).eval()
     surgery.remove_heads(model, heads)
     tok = loading.load_tokenizer("llama-shakespeare")  # 4096 ids; the rest of the vocabulary is [PAD<i>]
     plan = gguf_file.plan(model, tok)

@@ -1,23 +1,16 @@
-"""The recovery study's statistics (eval/recovery_study.py): R and its interval from per-window sums, resampled in
-64 contiguous blocks so that the whole split's neighbouring windows are not counted as independent draws."""
+"""The recovery study's statistics (eval.studies.recovery.measure): R and its interval from per-window sums, resampled
+in 64 contiguous blocks so that the whole split's neighbouring windows are not counted as independent draws."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
+import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from eval.studies.recovery.measure import blocks, held_out
 
-CHECK = r"""
-import json, numpy as np
-from recovery_study import blocks, held_out
 
-rng = np.random.default_rng(3)
-def case(n, gap):
+def _case(rng, n: int, gap: float):
+    """Per-window NLL sums of n windows: base, pruned (base + gap) and recovered (half the gap back)."""
     count = [127] * n
     base = list(rng.normal(600, 20, n))
     pruned = [b + gap + rng.normal(0, 1) for b in base]
@@ -27,28 +20,22 @@ def case(n, gap):
            "entropy_base": zeros, "entropy_pruned": zeros}
     return base, pruned, after, held_out(ref, after, {"kl": [0.5] * n, "entropy": zeros})
 
-out = {}
-for n in (64, 1235):
-    base, pruned, after, h = case(n, 3.0)
-    b = blocks(base)
-    out[n] = {"units": len(b), "sums_kept": bool(np.isclose(b.sum(), sum(base))),
-              "R": h["R"], "R_exact": (sum(pruned) - sum(after)) / (sum(pruned) - sum(base)), "ci": h["R_ci"],
-              "R_kl": h["R_kl"]}
-out["one_window_each"] = bool(np.array_equal(blocks(list(range(64))), np.arange(64.0)))
-print(json.dumps(out))
-"""
-
 
 @pytest.mark.unit
 def test_the_interval_resamples_64_contiguous_blocks_and_R_is_the_ratio_of_sums():
-    done = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT / "eval", capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout)
-    assert got["one_window_each"]  # 64 windows: the per-window bootstrap of the figures before --windows all
-    for n in ("64", "1235"):
+    rng = np.random.default_rng(3)
+    got = {}
+    for n in (64, 1235):
+        base, pruned, after, h = _case(rng, n, 3.0)
+        b = blocks(base)
+        got[n] = {"units": len(b), "sums_kept": bool(np.isclose(b.sum(), sum(base))), "R": h["R"],
+                  "R_exact": (sum(pruned) - sum(after)) / (sum(pruned) - sum(base)), "ci": h["R_ci"], "R_kl": h["R_kl"]}
+    # 64 windows: the per-window bootstrap of the figures before --windows all
+    assert np.array_equal(blocks(list(range(64))), np.arange(64.0))
+    for n in (64, 1235):
         g = got[n]
         assert g["units"] == 64 and g["sums_kept"]
         assert abs(g["R"] - g["R_exact"]) < 1e-9 and abs(g["R"] - 0.5) < 0.1
         assert g["ci"][0] < g["R"] < g["ci"][1] and g["R_kl"] == pytest.approx(0.5)
     # more windows measure the same R more tightly
-    assert got["1235"]["ci"][1] - got["1235"]["ci"][0] < got["64"]["ci"][1] - got["64"]["ci"][0]
+    assert got[1235]["ci"][1] - got[1235]["ci"][0] < got[64]["ci"][1] - got[64]["ci"][0]

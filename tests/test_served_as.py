@@ -14,6 +14,7 @@ import transformers as tf
 
 from pruner.checkpoints import layout, loading, saving
 from pruner.cli import main
+from pruner.core import shapes
 from pruner.pruning import surgery
 
 pytestmark = pytest.mark.integration
@@ -22,11 +23,6 @@ QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=
          "--set", "evaluation.latency=false", "--set", "bench.enabled=false"]
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-# meta-llama/Llama-3.2-1B's public config (the fields that shape the attention)
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-                rope_parameters={**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
-                tie_word_embeddings=True)
 
 
 def test_every_multiple_of_the_kv_heads_is_servable_for_llama():
@@ -34,7 +30,7 @@ def test_every_multiple_of_the_kv_heads_is_servable_for_llama():
     shipped = loading.load_model("llama-shakespeare")
     assert layout.servable_prunes(shipped) == (0, 2, 4, 6) and layout.servable_prunes(shipped, "group") == (0, 4)
     with torch.device("meta"):
-        big = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_1B))
+        big = tf.LlamaForCausalLM(shapes.config("llama-3.2-1b"))  # meta-llama/Llama-3.2-1B's public config
     assert layout.servable_prunes(big) == (0, 8, 16, 24)
     assert layout.servable_prunes(big, "group") == tuple(range(0, 32, 4))
 

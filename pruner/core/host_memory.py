@@ -4,7 +4,7 @@ A layer-by-layer pass frees and allocates the same large buffers once per block 
 activations, a layer's sums), of slightly different sizes. glibc's allocator serves buffers below its
 mmap threshold -- which it raises as large buffers are freed -- from its heap, and a freed buffer there
 stays mapped until the heap's top is free: with every block the process's anonymous memory crept upward
-(+27% from 4 to 32 blocks of the Llama-3-8B width, eval/bench_prune_layerwise.py) though what it held
+(+27% from 4 to 32 blocks of the Llama-3-8B width, eval/bench/prune_layerwise.py) though what it held
 did not grow. `release_freed` asks the allocator to return the free pages (`malloc_trim(0)`, which since
 glibc 2.8 also releases whole free pages inside the heap) where a block is offloaded, before a finished
 layer's curves and its refit, and between the ridge's folds: a few milliseconds against a block's seconds.

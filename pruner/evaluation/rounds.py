@@ -15,15 +15,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pruner.core import proc_status
 from pruner.evaluation.timing import BenchConfig, Timings
 
 
 def peak_kib() -> int:
-    """This process's peak resident set (VmHWM), KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
+    """This process's peak resident set (VmHWM), KiB (0 where /proc cannot say)."""
+    return proc_status.status().get("VmHWM", 0) // 1024
 
 
 def spawn(module: str, target: Path, cases: dict, runtime: str) -> tuple[dict, str]:

@@ -35,7 +35,7 @@ import torch
 from pruner.core import assets, data
 from pruner.evaluation.accuracy import TaskScores
 
-SUITE = assets.ASSETS / "tasks"  # the shipped offline task suite (eval/build_tasks.py)
+SUITE = assets.ASSETS / "tasks"  # the shipped offline task suite (scripts/build_tasks.py)
 INSTALL = 'pip install ".[tasks]"'
 
 

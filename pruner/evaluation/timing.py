@@ -12,11 +12,10 @@ import gc
 import inspect
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pruner.core import host_memory, runtime
+from pruner.core import host_memory, proc_status, runtime
 
 
 @dataclass(frozen=True)
@@ -53,11 +52,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _proc_kib(key: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key + ":"))
-    return int(line.split()[1])
-
-
 class _Peak:
     """Peak memory growth of a block. CPU: VmHWM after a reset (free heap returned to the OS first,
     so the growth is live memory); CUDA: max_memory_allocated. `growth` stays None where neither works."""
@@ -74,11 +68,7 @@ class _Peak:
         if not host_memory.can_release():  # not glibc: freed heap stays resident, the growth would not be live
             return self
         host_memory.release_freed()
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-            self.start = _proc_kib("VmRSS") * 1024
-        except OSError:  # not Linux: no CPU peak
-            self.start = None
+        self.start = proc_status.status().get("VmRSS") if proc_status.reset_peak() else None  # None: not Linux
         return self
 
     def __exit__(self, *exc):
@@ -87,7 +77,7 @@ class _Peak:
         if self.device.type == "cuda":
             self.growth = torch.cuda.max_memory_allocated(self.device) - self.start
         else:
-            self.growth = _proc_kib("VmHWM") * 1024 - self.start
+            self.growth = proc_status.status()["VmHWM"] - self.start
 
 
 def _cache_layers(cache):

@@ -201,7 +201,7 @@ def _sink_aware(inputs: ScoringInputs, alive: Tensor, convention: str) -> Tensor
       to the stream. Without it, early heads of small models, whose stream is
       tiny, look unimportant and get pruned first (catastrophic on the
       from-scratch Llama: +41 instead of +6 perplexity at 25% on the dev split).
-    The choice is made with evidence (eval/scorer_study.py on a development
+    The choice is made with evidence (eval/studies/scorers.py on a development
     split): see docs/scorers.md.
     """
     if inputs.cross is None:

@@ -101,7 +101,7 @@ def draw(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0, block:
     distribution at `u` (b,), uniform in [0, 1). (b,)
 
     One uniform number a token instead of `torch.multinomial`'s V exponential ones (256 rows of a 30k
-    vocabulary, one CPU thread: 46 ms against 205 ms, eval/generation_speed.py), in two levels: a `block` of the
+    vocabulary, one CPU thread: 46 ms against 205 ms, eval/bench/generation.py), in two levels: a `block` of the
     vocabulary is chosen by the cumulative sums of the blocks' probabilities, then the token inside it by the
     cumulative sums of its own, at the same uniform's place inside the block. Each sum is of float32
     probabilities exact to float32's relative rounding, summed over at most `block` of them, and accumulated in

@@ -24,7 +24,7 @@ holds at a training step's peak, in bytes:
 On a CPU the activations and logits count `CPU_SLACK` times: the heap serves the training step's
 and the validation pass's buffers (of other sizes) from different places and keeps both, so a
 run's resident memory climbs over its first validation passes to a plateau about half again
-above its first step's (measured, `eval/bench_recovery_memory.py`). On a GPU the estimate is of
+above its first step's (measured, `eval/bench/recovery_memory.py`). On a GPU the estimate is of
 the memory allocated (`torch.cuda.max_memory_allocated`); the caching allocator reserves more.
 
 A `cached` teacher first runs once over the recovery windows beside the loaded student: its
@@ -37,7 +37,7 @@ cache pass's buffers too (measured: the Qwen2.5-0.5B shape's step peaked 2.5% ab
 without them).
 
 A process trains `ceil(batch_size / processes)` windows of each batch. The constants are set
-so that the estimate bounds the measured peaks (`eval/bench_recovery_memory.py`,
+so that the estimate bounds the measured peaks (`eval/bench/recovery_memory.py`,
 docs/recovery.md "Memory").
 """
 

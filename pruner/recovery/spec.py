@@ -66,7 +66,7 @@ class RecoverySpec(BaseModel):
 
     def peak_lr(self) -> float:
         """The learning rate: `lr`, else 1e-4 for every weight (`full`, `attention`) and 1e-3 for LoRA's adapters --
-        chosen on the held-back validation slice of the shipped decoders (docs/recovery.md, `eval/recovery_lr_dev.py`:
+        chosen on the held-back validation slice of the shipped decoders (docs/recovery.md, `eval/studies/recovery/dev.py`:
         1e-4 the lowest validation KL of 1e-3 ... 3e-5 on the Llama and GPT-2 at 50%; 1e-3 overshoots on all three;
         Minitron uses 1e-4 at billions of parameters)."""
         if self.lr is not None:

@@ -19,7 +19,7 @@ geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
 On a CPU the weights are memory-mapped from the checkpoint: the page cache, which the kernel can drop, not the
 process's anonymous memory; so are the refit's new output-projection columns (`pruner.core.layerwise.
 file_backed`). Those parts are named "(memory-mapped ...)" and `MemoryPlan.anonymous` leaves them out: it is
-what `eval/bench_prune_layerwise.py` compares with the measured peak RssAnon. On a CPU device and host are one
+what `eval/bench/prune_layerwise.py` compares with the measured peak RssAnon. On a CPU device and host are one
 memory: `total` is their sum.
 
 The constants of the working sets (how many (H d_head)^2 float64 matrices a step holds at once) are read off
@@ -56,7 +56,7 @@ SYSTEM_SQUARES = 3     # the refit-aware scorer: S, S + lam I and its Cholesky f
 REFIT_SQUARES = 4      # a refit with ridge auto: a fold's training system and held-out moment, then their
 #                        kept/pruned blocks and eigenvectors (`refit.heldout_energies`); then the fit: the
 #                        covariance, its blocks and the new columns (float64, full width; `refit.fit_layer`).
-#                        Measured 3.57 and 2.94 at the 8B width (eval/bench_refit_memory.py; 3.80 and 4.57
+#                        Measured 3.57 and 2.94 at the 8B width (eval/bench/refit_memory.py; 3.80 and 4.57
 #                        before the blocks were indexed directly, the symmetrising done in place and the new
 #                        columns written a run of kept channels at a time)
 LOGIT_COPIES = 3       # a slice of logits: the head's output, its float32 copy and the log-softmax

@@ -3,7 +3,7 @@
 The calibration's stages are `pruner.runs.memory_plan.memory_plan`'s; after them come the compensation's own pass
 (where the plan needs one: a global budget's one-shot refit, a sequential refit), the evaluations of the base and
 pruned models, and the written model/ read back. What the calibration accumulates is decided as the pipeline
-decides it (`pruner.runs.reads`). `pruner plan-memory` prints `run_plan`; eval/bench_prune_layerwise.py compares
+decides it (`pruner.runs.reads`). `pruner plan-memory` prints `run_plan`; eval/bench/prune_layerwise.py compares
 its anonymous peak with the measured RssAnon.
 """
 

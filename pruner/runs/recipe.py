@@ -106,7 +106,7 @@ class SinkSection(_Strict):
 
 class ScorerSpec(_Strict):
     # the refit-aware scorer: with refit, the best mean rank on the development splits of three
-    # decoders and two kinds of text (eval/domain_dev_study.py; docs/scorers.md)
+    # decoders and two kinds of text (eval/studies/domains.py; docs/scorers.md)
     name: str = Field("refit-energy", description="a registered scorer, or auto: each candidate's plan scored on "
                                                    "the held-back calibration samples, the best kept")
     convention: Literal["full", "content"] | None = None
@@ -190,7 +190,7 @@ class SurgerySpec(_Strict):
 
     mode: Literal["mask", "remove"] = "mask"
     # refit by default: the compensation chosen on the development split
-    # (eval/refit_study.py; docs/compensation.md); it needs no bias, so every family gets it
+    # (eval/studies/refit.py; docs/compensation.md); it needs no bias, so every family gets it
     compensation: Literal["zero", "mean", "refit", "auto"] = Field(
         "refit", description="auto: each of surgery.candidates tried on the held-back calibration samples, the "
                              "best kept")

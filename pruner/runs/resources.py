@@ -21,7 +21,7 @@ at its peak, from the model's geometry and the recipe's sizes:
 cgroup limit included, or free CUDA memory) and refuses, with the estimate and
 the settings that would fit. `check_disk` does the same for a folder about to be
 written. The estimate is compared with measured peaks of the shipped models by
-`eval/bench_memory.py` (docs/troubleshooting.md).
+`eval/bench/memory.py` (docs/troubleshooting.md).
 """
 
 from __future__ import annotations

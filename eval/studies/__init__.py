@@ -1,0 +1,1 @@
+"""Design studies: the measurements that chose a default (scorer, compensation, calibration text, plan, recovery)."""

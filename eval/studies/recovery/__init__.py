@@ -1,0 +1,1 @@
+"""The recovery study: shipped decoders pruned, recovered by `pruner recover`, measured on held-out text."""

@@ -1,0 +1,144 @@
+"""Recovery evidence: shipped decoders pruned, then recovered by `pruner recover`, measured on two held-out domains.
+
+    python -m eval.studies.recovery.study        # the docs' set of configs (CONFIGS below; ~20 min on 2 cores)
+    python -m eval.studies.recovery.study CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--windows N|all] [--out DIR]
+
+A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
+(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal; DATA: generated or shakespeare:train); `--set` adds a
+`recovery:` setting to every config (one chosen on development text, eval.studies.recovery.dev). For each:
+
+1. the run `pruner prune` makes of the model's recipe at SPARSITY with the default scorer (refit-energy), refit
+   compensation and `surgery.mode: remove` (made once, kept in OUT/runs/; `selection.shape: any` so 25% stays 25%);
+2. `pruner recover RUN --tokens TOKENS --data DATA --set recovery.method=METHOD --set recovery.teacher=TEACHER` in
+   its own process: wall time, the child's peak resident memory, its tokens/s;
+3. perplexity of the base, pruned and recovered models on `shakespeare:evaluation` and `python-docs:evaluation`
+   (the first 64 windows of 128 tokens each, or with `--windows all` every window of the split; neither is ever
+   trained on) and the damage recovered R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base) per domain,
+   with its 95% bootstrap interval over 64 contiguous blocks of windows (one window each at 64 windows);
+4. once per run: the plain training throughput of the same student without a teacher (next-token cross-entropy,
+   same batch, AdamW), the denominator of the throughput target.
+
+Appends one JSON line per config to OUT/records.jsonl (default eval/results/studies/recovery), writes the markdown
+table of every record so far to OUT/table.md and prints it (docs/recovery.md). CPU, one thread per process unless
+OMP_NUM_THREADS says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from eval.common import RESULTS
+from eval.studies.recovery.measure import (
+    DOMAINS,
+    cells,
+    cli,
+    divergence,
+    held_out,
+    reference,
+    run_folder,
+    window_count,
+    window_nll,
+    windows,
+)
+
+CONFIGS = (  # the docs' table: MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER
+    "llama-shakespeare:0.5:generated:32768:full:resident",
+    "llama-shakespeare:0.5:generated:32768:full:cached",
+    "llama-shakespeare:0.5:shakespeare:train:32768:full:resident",
+    "llama-shakespeare:0.5:generated:32768:lora:resident",
+    "llama-shakespeare:0.5:generated:32768:attention:resident",
+    "llama-shakespeare:0.25:generated:32768:full:resident",
+    "gpt2-shakespeare:0.5:generated:32768:full:resident",
+    "llama-shakespeare:0.5:generated:131072:full:resident",
+    "gpt2-shakespeare:0.5:generated:131072:full:resident",
+    "minilm-causal:0.5:generated:32768:full:resident",
+    "minilm-causal:0.25:generated:65536:full:resident",
+)
+
+def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | None = 64) -> dict:
+    model, sparsity, data, tokens, method, teacher = config.split(":", 5) if config.count(":") == 5 else \
+        _with_colon(config)
+    run = run_folder(out, model, sparsity)
+    ref = reference(run, model, count=count)
+    rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
+    wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, "--data", data,
+                      "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
+                      *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
+    import pruner
+    from pruner.checkpoints import loading
+
+    m = json.loads((rec / "metrics.json").read_text())["recovery"]
+    recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
+    base = loading.load_model(model).float()
+    record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
+              "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
+              "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
+              "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
+              "validation_history": m.get("validation_history"), "restarts": m.get("restarts", []),
+              "plain_tokens_per_second": round(ref["plain_tokens_per_second"], 1),
+              **({} if count == 64 else {"windows": count or "all"})}
+    for d in DOMAINS:
+        w = windows(tok, d, count)
+        total, _ = window_nll(recovered, w)
+        record[d] = held_out(ref[d]["windows"], total, divergence(base, recovered, w))
+    return record
+
+
+def kl_cell(d: dict) -> str:
+    """KL(teacher || model) per token, pruned -> recovered, and R_KL; a dash for records made before they were."""
+    return f"{d['kl_pruned']:.4f} → {d['kl_recovered']:.4f} ({d['R_kl']:.2f})" if "R_kl" in d else "—"
+
+
+def _with_colon(config: str) -> tuple[str, ...]:
+    """DATA may hold a colon (shakespeare:train): MODEL:SPARSITY:SRC:SPLIT:TOKENS:METHOD:TEACHER."""
+    p = config.split(":")
+    return (p[0], p[1], f"{p[2]}:{p[3]}", p[4], p[5], p[6])
+
+
+def table(records: list[dict]) -> str:
+    rows = ["| model | sparsity | data | tokens | method | teacher | ppl shakespeare base / pruned / recovered | R | "
+            "KL to teacher (R_KL) | ppl python-docs base / pruned / recovered | R | KL to teacher (R_KL) | "
+            "tokens/s (plain) | wall s | peak GiB | kept |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        s, p = cells(r[DOMAINS[0]]), cells(r[DOMAINS[1]])
+        data = ", ".join([r["data"], *r.get("settings", [])])
+        rows.append(f"| {r['model']} | {r['sparsity']:g} | {data} | {r['tokens']:,} | {r['method']} | "
+                    f"{r['teacher']} | {s[0]} | {s[1]} | {kl_cell(r[DOMAINS[0]])} | {p[0]} | {p[1]} | "
+                    f"{kl_cell(r[DOMAINS[1]])} | {r['tokens_per_second']:.0f} "
+                    f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "
+                    f"{r['kept']} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0])
+    ap.add_argument("configs", nargs="*", default=list(CONFIGS), help="default: the docs' set")
+    ap.add_argument("--out", default=str(RESULTS / "studies" / "recovery"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a `recovery:` setting for every config, e.g. temperature_generate=2.0 (chosen on "
+                         "development text: eval.studies.recovery.dev)")
+    ap.add_argument("--windows", type=window_count, default=64, help="how many of each held-out split's windows "
+                    "of 128 tokens to score, from its start, or `all` (default 64, the figures before 2026-12-04)")
+    args = ap.parse_args()
+    count = args.windows
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for config in args.configs:
+        record = one(out, config, tuple(args.set), count)
+        with open(out / "records.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    (out / "table.md").write_text(table(records) + "\n")
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
