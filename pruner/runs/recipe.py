@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serial
 
 from pruner.core import mixture
 from pruner.pruning.scoring import SCORERS
+from pruner.pruning.surgery import DEFAULT_COMPENSATION
 from pruner.recovery.spec import RecoverySpec
 
 
@@ -185,30 +186,18 @@ class SelectionSpec(_Strict):
         return int(v) if v >= 1 else v
 
 
-# What an unset surgery.compensation resolves to when a run starts (`SurgerySpec.resolved`; the run's recipe.yaml
-# names it and its output says why in one line, `pruner.runs.compensating.default_line`): refit, the compensation
-# chosen on the development split and below mean on every shipped model (eval/refit_study.py; docs/results.md), and
-# plain weights, so no form it is written in needs a bias its config cannot declare: every servable plan is vanilla.
-DEFAULT_COMPENSATION = "refit"
-
-
 class SurgerySpec(_Strict):
     """How heads go: masked or removed, and what is kept of them (see pruner.pruning.surgery)."""
 
     mode: Literal["mask", "remove"] = "mask"
-    compensation: Literal["zero", "mean", "refit", "auto"] | None = Field(
-        None, description="unset: refit, decided when the run starts (written into its recipe.yaml, the reason in "
-                           "one line): plain weights, which every vanilla checkpoint holds; mean folds an "
-                           "output-projection bias, which a Llama declares through attention_bias at a count its own "
-                           "config takes, and Mistral, Qwen2 and a Llama written as MistralForCausalLM cannot (the "
-                           "per-layer form); auto: each of surgery.candidates tried on the held-back calibration "
-                           "samples, the best kept")
+    compensation: Literal["zero", "mean", "refit", "auto"] | None = Field(None, description="unset: refit, no bias "
+        "(named in the run's recipe.yaml); auto: the best of surgery.candidates on the held-back calibration samples")
     candidates: list[Literal["zero", "mean", "refit"]] | None = Field(
         None, description="auto: the compensations it chooses among (default: mean, refit)")
 
     def resolved(self) -> SurgerySpec:
         """The spec as a run uses it: an unset compensation is `DEFAULT_COMPENSATION`."""
-        return self if self.compensation is not None else self.model_copy(update={"compensation": DEFAULT_COMPENSATION})
+        return self.model_copy(update={"compensation": self.compensation or DEFAULT_COMPENSATION})
 
     def choices(self) -> list[str]:
         """The compensations a run may use: auto's candidates, else the one named (or resolved)."""
@@ -393,11 +382,6 @@ class Recipe(_Strict):
     def auto(self) -> bool:
         """Whether the scorer or the compensation is chosen on the held-back samples (`pruner.runs.autochoice`)."""
         return self.scorer.name == "auto" or self.surgery.compensation == "auto"
-
-    def resolved(self) -> tuple[Recipe, tuple[str, ...]]:
-        """(the recipe as a run uses it, the keys it left unset that were resolved): `surgery.compensation`."""
-        unset = ("surgery.compensation",) if self.surgery.compensation is None else ()
-        return self.model_copy(update={"surgery": self.surgery.resolved()}), unset
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
