@@ -132,20 +132,23 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
 
 
 def test_prune_remove_saves_the_per_layer_form_when_no_vanilla_config_can(tmp_path, capsys):
-    """6 of 8 heads per layer with mean compensation: transformers' Llama config requires hidden_size % heads == 0
-    and Mistral's has no attention bias, so model/ is the per-layer compact checkpoint, which pruner loads without
-    remote code; the output says why in one line."""
+    """6 of 8 heads per layer with mean compensation named: transformers' Llama config requires hidden_size % heads
+    == 0 and Mistral's has no attention bias, so model/ is the per-layer compact checkpoint, which pruner loads
+    without remote code; the output says why in one line, and that the compensation it was given did it."""
     out = tmp_path / "llama6"
     assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out), "--set",
-                 "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
-                + QUICK) == 0
+                 "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer",
+                 "--set", "surgery.compensation=mean"] + QUICK) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     printed = capsys.readouterr().out
     assert metrics["model_saved"] is True and "model not saved" not in printed
-    # the recipe's mean compensation: output-projection biases, which the MistralForCausalLM a 6-head Llama is
-    # otherwise written as cannot declare (tests/test_served_as.py has the vanilla case)
-    assert "model/: per-layer because transformers rejects a llama config with 6 heads" in printed
-    assert "MistralForCausalLM, which takes any head count, has no attention_bias" in printed
+    # mean compensation: output-projection biases, which the MistralForCausalLM a 6-head Llama is otherwise
+    # written as cannot declare (tests/test_served_as.py has the vanilla case); named, so no default line
+    line = next(x for x in printed.splitlines() if x.startswith("model/: per-layer because"))
+    assert "transformers rejects a llama config with 6 heads" in line
+    assert "MistralForCausalLM, which takes any head count, has no attention_bias" in line
+    assert "the mean compensation this run was given" in line and "refit, the default" in line
+    assert "surgery.compensation unset" not in printed.replace(line, "") and "compensation_note" not in metrics
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_attention_heads_per_layer"] == [6, 6, 6, 6] and config["num_attention_heads"] == 8
     from pruner.checkpoints import loading

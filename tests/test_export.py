@@ -58,12 +58,12 @@ def runs(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in made:
             out = base / name
-            refit = ["--set", "surgery.compensation=refit"]
+            refit, mean = ["--set", "surgery.compensation=refit"], ["--set", "surgery.compensation=mean"]
             extra = {"gpt2": ["--set", "export.format=dense", "--set", "export.push_to_hub=me/gpt2-pruned"],
-                     "llama": ["--set", "selection.target=0.5"],  # 4 of 8 heads per layer: 256 / 4 divides
-                     # 6 of 8 heads per layer (shape any): Llama's config refuses 256 / 6
+                     "llama": ["--set", "selection.target=0.5"] + mean,  # 4 of 8 heads per layer: 256 / 4 divides
+                     # 6 of 8 heads per layer (shape any): Llama's config refuses 256 / 6, Mistral's has no bias
                      "llama-default": ["--set", "selection.target=0.25", "--set", "selection.shape=any",
-                                       "--set", "selection.budget=layer"],
+                                       "--set", "selection.budget=layer"] + mean,
                      "minilm": ["--set", "surgery.compensation=mean"],  # a bias export; too few tokens to refit
                      "llama-refit": ["--set", "selection.target=0.5", "--set", "export.format=compact"] + refit,
                      "minilm-refit": refit + ["--set", "calibration.num_samples=8"]}[name]  # >= 384 tokens

@@ -18,12 +18,13 @@ from pruner.pruning import surgery
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--set", "calibration.num_samples=8", "--set", "evaluation.num_samples=4", "--set", "evaluation.bootstrap=10",
-         "--set", "evaluation.latency=false", "--set", "bench.enabled=false", "--set", "surgery.mode=mask"]
+         "--set", "evaluation.latency=false", "--set", "bench.enabled=false", "--set", "surgery.mode=mask",
+         "--set", "surgery.compensation=mean"]  # biases: the GGUF carries them too
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """llama-shakespeare pruned two ways (mean compensation, the recipe's): 4 of 8 heads in every layer (the
+    """llama-shakespeare pruned two ways (mean compensation, named): 4 of 8 heads in every layer (the
     recipe's servable default), and 8 of 32 heads under a global budget (layers differ)."""
     made = {}
 

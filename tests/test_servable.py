@@ -76,6 +76,28 @@ def test_the_default_llama_recipe_writes_a_vanilla_checkpoint(tmp_path, capsys):
 
 
 @pytest.mark.integration
+def test_the_default_llama_recipe_at_25_percent_is_a_vanilla_mistral_and_says_why(tmp_path, capsys):
+    """`pruner prune recipes/llama-shakespeare.yaml --set selection.target=0.25`: the recipe leaves
+    surgery.compensation unset, so the run uses refit (no bias) and model/ is a MistralForCausalLM; one line says
+    which compensation and why (mean's bias would have forced the per-layer form), and recipe.yaml names it."""
+    import yaml
+
+    out = tmp_path / "run"
+    assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out),
+                 "--set", "selection.target=0.25"] + QUICK) == 0
+    printed = capsys.readouterr().out
+    lines = [x for x in printed.splitlines() if "surgery.compensation unset" in x]
+    assert len(lines) == 1 and lines[0].startswith("compensation: refit (surgery.compensation unset)")
+    assert "the MistralForCausalLM this llama is written as has no attention_bias: the per-layer form" in lines[0]
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and "auto_map" not in config
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["surgery"]["compensation"] == "refit"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["compensation"] == "refit" and metrics["compensation_note"] == lines[0]
+    assert lines[0] in (out / "report.md").read_text()
+
+
+@pytest.mark.integration
 def test_refusals_name_the_way_out(tmp_path, capsys):
     recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
     assert main(["prune", recipe, "--out", str(tmp_path / "a"), "--set", "selection.target=0.1"] + QUICK) == 2
@@ -88,9 +110,10 @@ def test_refusals_name_the_way_out(tmp_path, capsys):
 
 @pytest.mark.integration
 def test_the_per_layer_form_says_which_runtimes_will_not_load_it(tmp_path, capsys):
+    """6 heads per layer with mean compensation named: biases a MistralForCausalLM cannot declare."""
     assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(tmp_path / "run"),
-                 "--set", "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer"]
-                + QUICK) == 0
+                 "--set", "selection.target=0.25", "--set", "selection.shape=any", "--set", "selection.budget=layer",
+                 "--set", "surgery.compensation=mean"] + QUICK) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("model/:"))
     assert "per-layer" in line and "vLLM, TGI, SGLang and ONNX Runtime GenAI load vanilla checkpoints only" in line
     assert "llama.cpp runs a Llama or Mistral one: pruner export RUN --format gguf" in line

@@ -107,8 +107,8 @@ def _prune(call: Call, progress: bool, checkpoint_dir=None) -> Result:
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
     session = call.session(progress, checkpoints=checkpoints, whole_model=bool(call.recipe.evaluation.tasks))
-    done = autochoice.prune(session, progress)
-    return Result(done.model, done.tokenizer, done.plan, done.metrics, call.recipe, done.compensation, prov,
+    done = autochoice.prune(session, progress)  # session.recipe: call.recipe with its unset compensation resolved
+    return Result(done.model, done.tokenizer, done.plan, done.metrics, session.recipe, done.compensation, prov,
                   done.onloader)
 
 
@@ -182,4 +182,4 @@ def _compare(call: Call, scorers, sparsities, compensations, budgets, gqa, progr
                            whole_model=bool(call.recipe.evaluation.tasks))
     records = comparison.compare(session, scorers, targets, list(compensations),
                                list(budgets) if budgets else None, list(gqa) if gqa else None, progress)
-    return Comparison(records, call.recipe, prov)
+    return Comparison(records, session.recipe, prov)  # the recipe as run: its unset compensation resolved

@@ -124,7 +124,8 @@ def _config_for(cfg, counts: dict):
     biases = [k for k in ("attention_bias", "mlp_bias") if getattr(cfg, k, False)]
     if biases:
         return (f"{refused}; {model_class}, which takes any head count, has no {' or '.join(biases)} "
-                "(mean compensation gives the attention projections biases: use refit or zero to get a vanilla one)")
+                "(the mean compensation this run was given puts biases on the attention projections: refit, the "
+                "default when surgery.compensation is unset, or zero writes a vanilla one)")
     import transformers
 
     d = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_CARRIED}
@@ -134,11 +135,42 @@ def _config_for(cfg, counts: dict):
         return f"{refused}; nor does {config_class} hold it: {str(e.__cause__ or e).strip().splitlines()[-1]}"
 
 
+def mean_refusal(model, heads: dict[int, list[int]], removed: bool) -> str | None:
+    """Why mean compensation's output-projection bias would keep pruning `heads` out of a vanilla checkpoint that
+    refit (plain weights) gets; None where the form written would hold it, or would be per-layer anyway.
+
+    Read on the unpruned model, before any surgery: a run whose recipe left `surgery.compensation` unset says
+    with it why it used refit.
+    """
+    ad, cfg = arch.adapter_for(model), model.config
+    kind = cfg.model_type
+    if arch.get(arch.blocks(model)[0], ad.o_proj).bias is not None:
+        return None  # folded into the bias the family has (GPT-2, BERT, GPT-NeoX)
+    if ad.bias_flag is None or not hasattr(cfg, ad.bias_flag):
+        return f"the {kind} config cannot declare it: " + ("the per-layer form" if removed else "no dense checkpoint")
+    g = arch.geometry(model)
+    kept = [[h for h in range(g.n_heads) if h not in heads.get(layer, ())] for layer in range(g.n_layers)]
+    q, kv = {len(k) for k in kept}, {len({h // g.group_size for h in k}) for k in kept}
+    if not removed or q == {g.n_heads} or len(q) > 1 or len(kv) > 1 or not ad.explicit_head_dim:
+        return None  # dense (the config's bias switch holds it), or the per-layer form whatever the compensation
+    config = _config_for(cfg, {"num_attention_heads": q.pop(), "num_key_value_heads": kv.pop(),
+                               "head_dim": g.head_dim})
+    if isinstance(config, str) or type(config) is type(cfg):
+        return None
+    return f"the {SERVED_AS[kind][2]} this {kind} is written as has no {ad.bias_flag}: the per-layer form"
+
+
+def _bias_reason(kind: str) -> str:
+    return f"its output projections have a bias (the mean compensation this run was given) that the {kind} config " \
+           "cannot declare"
+
+
 def vanilla_form(model) -> Vanilla | str:
     """The vanilla config (and class) that holds this compact model, or why none does."""
     kind = model.config.model_type
     if bias_not_in_config(model):
-        return f"its output projections have a bias (mean compensation) that the {kind} config cannot declare"
+        return (f"{_bias_reason(kind)}: refit, the default when surgery.compensation is unset, or zero writes a "
+                "vanilla one")
     if not removed_any(model):
         return Vanilla(model.config, None, None)
     if not arch.adapter_for(model).explicit_head_dim:
@@ -185,8 +217,8 @@ def layout(model, removed: bool) -> tuple[str, str | None]:
     if not removed:
         if bias_not_in_config(model):
             raise CheckpointError(
-                f"cannot write a dense checkpoint: {vanilla_reason(model)}. Export the compact form instead "
-                "(`--format compact`: it declares that bias and loads with trust_remote_code=True or "
+                f"cannot write a dense checkpoint: {_bias_reason(model.config.model_type)}. Export the compact form "
+                "instead (`--format compact`: it declares that bias and loads with trust_remote_code=True or "
                 "pruner.load), or re-run `pruner prune` with `--set surgery.compensation=refit` (plain weights, "
                 "no bias) or `zero`")
         return "dense", None

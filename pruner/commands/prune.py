@@ -55,6 +55,8 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"\n{m['selection_note']}")
     if m.get("auto"):
         print(f"\n{m['auto']['line']}")
+    if m.get("compensation_note"):
+        print(f"\n{m['compensation_note']}")
     print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
           f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
     print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "

@@ -37,6 +37,9 @@ from pruner.core import arch
 
 HeadSet = dict[int, list[int]]
 COMPENSATIONS = ("zero", "mean", "refit")
+# what a run uses when its recipe leaves the compensation unset (`pruner.runs.context.prepare` resolves it): below
+# mean on every shipped model (docs/results.md), and it adds no bias, so every vanilla form holds it
+DEFAULT_COMPENSATION = "refit"
 
 
 @dataclass(frozen=True)

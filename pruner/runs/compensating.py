@@ -12,6 +12,7 @@ With the whole model in memory the calibration's sums are kept and every compens
 from __future__ import annotations
 
 from pruner.attention.capture import CaptureConfig, capture_stats
+from pruner.checkpoints import layout
 from pruner.core import distributed
 from pruner.core.layerwise import Resident
 from pruner.pruning import surgery
@@ -20,6 +21,15 @@ from pruner.pruning.layerwise import refit_one_pass, refit_oneshot_pass
 from pruner.pruning.scoring import ScoringInputs
 from pruner.runs.context import Session
 from pruner.runs.recipe import SurgerySpec
+
+
+def default_line(model, heads: dict[int, list[int]], spec: SurgerySpec) -> str:
+    """Which compensation a run whose recipe left `surgery.compensation` unset uses, and why, in one line: said
+    before the surgery, from the unpruned `model` and the plan's `heads` (`spec` resolved)."""
+    why = layout.mean_refusal(model, heads, spec.mode == "remove")
+    return (f"compensation: {spec.compensation} (surgery.compensation unset): it adds no bias, so every form holds it"
+            + (f"; mean's output-projection bias would not be vanilla here ({why})" if why else "")
+            + "; refit was below mean on every shipped model (docs/results.md#refit-on-every-shipped-model)")
 
 
 def precomputed(inputs: ScoringInputs | None, heads: dict[int, list[int]], spec: SurgerySpec

@@ -41,6 +41,7 @@ class Session:
     checkpoints: resume.Checkpoints = field(default=resume.NONE, repr=False)  # a resumable run's saved stages
     onloader: object | None = field(default=None, repr=False)  # capture.onload sequential: the blocks stay on disk
     heldout: data.TokenBatch | None = None  # calibration.holdout's samples, never in the sums (auto scores on them)
+    unset: tuple[str, ...] = ()  # keys the recipe left unset, resolved in `recipe` (`prepare`)
 
     @property
     def evaluation(self) -> EvalWindows:
@@ -97,8 +98,11 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     so unusable evaluation text fails before any calibration compute. `checkpoints`:
     where a resumable run keeps its stages (`pruner.core.resume`). `whole_model`: whether a later stage
     needs the whole model in memory (downstream tasks); if so, a layer-by-layer run that could not hold it
-    is refused now.
+    is refused now. An unset `surgery.compensation` is resolved here (`SurgerySpec.resolved`), named in
+    `Session.unset`.
     """
+    unset = ("surgery.compensation",) if recipe.surgery.compensation is None else ()
+    recipe = recipe.model_copy(update={"surgery": recipe.surgery.resolved()})  # every stage reads what the run uses
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
@@ -114,7 +118,7 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     s = recipe.sinks
     spec = default_spec(causal) if s.mode is None else SinkSpec(s.mode, tuple(s.ids), tuple(s.positions), s.eps)
     session = Session(recipe, model, tok, causal, spec, batch, evaluation_texts, checkpoints=checkpoints,
-                      onloader=onloader, heldout=heldout)
+                      onloader=onloader, heldout=heldout, unset=unset)
     if evaluation and whole_model and onloader is not None:  # needed later and cannot fit: refused before compute
         _check_whole_model_fits(m, onloader.folder)
     if evaluation:

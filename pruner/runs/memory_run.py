@@ -130,7 +130,7 @@ def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
     from pruner.pruning.curves import CurveKey
 
     r = recipe
-    scorer, s = scorer_of(r), r.surgery
+    scorer, s = scorer_of(r), r.surgery.resolved()
     local = bool(reads.local_compensation(quota, CurveKey(scorer.name, None, r.selection.gqa, 1), s, True))
     joint, folds = reads.capture_reads([scorer], s.choices(), s, True, local)
     cal = r.calibration

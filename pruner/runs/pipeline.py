@@ -252,6 +252,8 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     if recipe.surgery.compensation == "refit":
         check_refit_tokens(session)
     plan = make_plan(session, inputs, progress=progress)
+    why = compensating.default_line(model, plan.heads, recipe.surgery) if "surgery.compensation" in session.unset \
+        else None  # before the surgery: mean's bias read on the unpruned model
     layerwise = session.onloader is not None and not recipe.evaluation.tasks  # tasks run the whole model
     if not layerwise:
         resident(session)
@@ -280,6 +282,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
         "convention": plan.convention or scorer.reads,
         "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
         "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
+        **({"compensation_note": why} if why else {}),
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
         "evaluation": m, "params_before": params_before, "params_after": params_after,
         "latency_ms_before": latency_before,

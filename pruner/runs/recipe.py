@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serial
 
 from pruner.core import mixture
 from pruner.pruning.scoring import SCORERS
+from pruner.pruning.surgery import DEFAULT_COMPENSATION
 from pruner.recovery.spec import RecoverySpec
 
 
@@ -106,7 +107,7 @@ class SinkSection(_Strict):
 
 class ScorerSpec(_Strict):
     # the refit-aware scorer: with refit, the best mean rank on the development splits of three
-    # decoders and two kinds of text (eval/studies/domains.py; docs/scorers.md)
+    # decoders and two kinds of text (eval/domain_dev_study.py; docs/scorers.md)
     name: str = Field("refit-energy", description="a registered scorer, or auto: each candidate's plan scored on "
                                                    "the held-back calibration samples, the best kept")
     convention: Literal["full", "content"] | None = None
@@ -189,17 +190,19 @@ class SurgerySpec(_Strict):
     """How heads go: masked or removed, and what is kept of them (see pruner.pruning.surgery)."""
 
     mode: Literal["mask", "remove"] = "mask"
-    # refit by default: the compensation chosen on the development split
-    # (eval/studies/refit.py; docs/compensation.md); it needs no bias, so every family gets it
-    compensation: Literal["zero", "mean", "refit", "auto"] = Field(
-        "refit", description="auto: each of surgery.candidates tried on the held-back calibration samples, the "
-                             "best kept")
+    compensation: Literal["zero", "mean", "refit", "auto"] | None = Field(None, description="unset: refit, no bias "
+        "(named in the run's recipe.yaml); auto: the best of surgery.candidates on the held-back calibration samples")
     candidates: list[Literal["zero", "mean", "refit"]] | None = Field(
         None, description="auto: the compensations it chooses among (default: mean, refit)")
 
+    def resolved(self) -> SurgerySpec:
+        """The spec as a run uses it: an unset compensation is `DEFAULT_COMPENSATION`."""
+        return self.model_copy(update={"compensation": self.compensation or DEFAULT_COMPENSATION})
+
     def choices(self) -> list[str]:
-        """The compensations a run may use: auto's candidates, else the one named."""
-        return [self.compensation] if self.compensation != "auto" else list(self.candidates or ("mean", "refit"))
+        """The compensations a run may use: auto's candidates, else the one named (or resolved)."""
+        kind = self.resolved().compensation
+        return [kind] if kind != "auto" else list(self.candidates or ("mean", "refit"))
     ridge: float | Literal["auto"] = Field(
         "auto", description="refit: ridge relative to the mean diagonal of each layer's second moment, or auto: "
                             "chosen per layer by cross-validation over calibration folds (docs/compensation.md)")

@@ -259,6 +259,7 @@ def run_report(metrics: dict, plan_json: str, figure: str | None = None) -> str:
              f"Pruned **{metrics['pruned_heads']} of {metrics['total_heads']} heads** with scorer "
              f"`{metrics['scorer']}`" + (f" ({convention_phrase(metrics)})" if metrics["convention"] else "")
              + f", `{metrics['compensation']}` compensation, surgery `{metrics['surgery']}`.", "",
+             *([metrics["compensation_note"] + ".", ""] if metrics.get("compensation_note") else []),
              result_table(metrics), ""]
     if metrics.get("layer_by_layer"):
         lines += [f"Layer by layer: {metrics['layer_by_layer']}.", ""]
