@@ -151,13 +151,11 @@ def save_model(result, folder: Path) -> None:
 
 def save_run(result, folder: Path) -> None:
     """Write every file of a run into `folder` (an existing, empty folder: see outputs.atomic_dir)."""
-    from pruner.runs.pipeline import to_jsonable
-
     save_model(result, folder / "model")
     save_compensation(result.compensation, folder / COMPENSATION_FILE)
     plan_json = result.plan.to_json()
     (folder / "plan.json").write_text(plan_json + "\n")
-    (folder / "metrics.json").write_text(json.dumps(to_jsonable(result.metrics), indent=1) + "\n")
+    (folder / "metrics.json").write_text(report.metrics_json(result.metrics))
     (folder / "recipe.yaml").write_text(result.recipe.to_yaml())
     figure = "refit.png" if report.plot_refit(result.metrics, folder / "refit.png") else None
     (folder / "report.md").write_text(report.run_report(result.metrics, plan_json, figure))

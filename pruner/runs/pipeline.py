@@ -10,7 +10,6 @@ cannot drift.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -318,7 +317,3 @@ def sensitivity_record(plan: Plan) -> dict | None:
         return None
     own = plan.convention is not None
     return {**asdict(sens), "scorer": plan.scorer if own else "cosine", "of_this_plan": own}
-
-
-def to_jsonable(x):
-    return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))

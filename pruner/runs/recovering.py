@@ -32,7 +32,7 @@ from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
 from pruner.runs import folders as runs
-from pruner.runs import provenance, recovery_memory
+from pruner.runs import provenance, recovery_memory, report
 from pruner.runs.context import sequential_folder
 
 CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
@@ -303,9 +303,6 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
 def write_run(run: runs.Run, recipe, model, tokenizer, metrics: dict, tmp: Path) -> None:
     """The recovered run folder: model/ (reload-checked), the run's plan and compensation, the new metrics,
     recipe, report and provenance."""
-    from pruner.runs.pipeline import to_jsonable
-    from pruner.runs.report import run_report
-
     saved = runs.save_checkpoint(model, tokenizer, tmp / "model", metrics["surgery"] == "remove",
                                  runs.recipe_storage_dtype(run.recipe))
     metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
@@ -313,9 +310,9 @@ def write_run(run: runs.Run, recipe, model, tokenizer, metrics: dict, tmp: Path)
     for name in ("plan.json", runs.COMPENSATION_FILE):
         if (run.folder / name).exists():
             shutil.copyfile(run.folder / name, tmp / name)
-    (tmp / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=1) + "\n")
+    (tmp / "metrics.json").write_text(report.metrics_json(metrics))
     (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-    (tmp / "report.md").write_text(run_report(metrics, (tmp / "plan.json").read_text()))
+    (tmp / "report.md").write_text(report.run_report(metrics, (tmp / "plan.json").read_text()))
     prov_file = run.folder / provenance.FILE
     prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
     prov["recovery"] = provenance_record(run, metrics["recovery"])
