@@ -33,7 +33,11 @@ def worst_relative(a, b) -> float:
     out = 0.0
     pairs = [(getattr(a, f), getattr(b, f)) for f in ("sink_mass", "entropy_full", "entropy_content", "g", "rest",
                                                        "dormancy", "rows", "content_rows")]
+    assert a.pairs.keys() == b.pairs.keys()
     pairs += [(a.pairs[k], b.pairs[k]) for k in a.pairs]
+    for part in ("residual", "outputs", "folds"):  # captured by both or by neither: none skipped unseen
+        x, y = getattr(a, part), getattr(b, part)
+        assert (x is None) == (y is None) and (x is None or part == "residual" or len(x) == len(y)), part
     if a.residual is not None:
         pairs.append((a.residual, b.residual))
     for x, y in zip(a.outputs or [], b.outputs or []):

@@ -245,8 +245,10 @@ def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkey
     monkeypatch.undo()
     resumed = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), checkpoint_dir=tmp_path, **opts)
     assert resumed.record["steps_run"] == resumed.record["steps"] - 4
-    for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), n  # bit for bit
+    want, got = whole.state_dict(), resumed.model.state_dict()
+    assert list(got) == list(want)
+    for n, a in want.items():
+        assert torch.equal(a, got[n]), n  # bit for bit
 
 
 @pytest.mark.integration

@@ -112,8 +112,10 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
     assert devices == ["meta"]  # no teacher weight in memory while the student trained
     assert freed.record["memory_estimate"]["teacher"] == 0 < held.record["memory_estimate"]["teacher"]
     assert freed.record["perplexity"] == held.record["perplexity"]  # the scores after: the teacher read again
-    for (n, a), (_, b) in zip(held.model.state_dict().items(), freed.model.state_dict().items()):
-        assert torch.equal(a, b), n
+    want, got = held.model.state_dict(), freed.model.state_dict()
+    assert list(got) == list(want)
+    for n, a in want.items():
+        assert torch.equal(a, got[n]), n
 
 
 @pytest.mark.integration
