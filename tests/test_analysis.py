@@ -193,7 +193,10 @@ def test_model_wide_pairs_equal_eager_reference(family):
 def test_model_wide_pairs_do_not_depend_on_batching_or_padding():
     model = tiny_model("llama")
     samples = ragged_batch(seed=4, n=7)
-    cfg = lambda c: CaptureConfig(chunk_size=c, metrics=("cosine", "js"), across_layers=True)  # noqa: E731
+
+    def cfg(c):
+        return CaptureConfig(chunk_size=c, metrics=("cosine", "js"), across_layers=True)
+
     a = capture_stats(model, pad(samples, 0, "right"), SinkSpec("first"), config=cfg(64), batch_size=7)
     b = capture_stats(model, pad(samples[::-1], 0, "left"), SinkSpec("first"), config=cfg(5), batch_size=3)
     for k in a.model_pairs:

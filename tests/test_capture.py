@@ -123,7 +123,10 @@ def test_invariant_to_batch_size_padding_order_and_chunks(fam):
     model = tiny_model(fam)
     samples = ragged_batch(seed=1, n=7)
     spec = spec_for(fam)
-    cfg = lambda c: CaptureConfig(chunk_size=c, metrics=METRICS)  # noqa: E731
+
+    def cfg(c):
+        return CaptureConfig(chunk_size=c, metrics=METRICS)
+
     base = capture_stats(model, pad(samples, 0, "right"), spec, config=cfg(64), batch_size=7)
     variants = [
         capture_stats(model, pad(samples, 0, "left"), spec, config=cfg(64), batch_size=7),

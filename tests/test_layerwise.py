@@ -128,7 +128,10 @@ def test_perplexity_block_by_block_equals_the_whole_model(name):
     with surgery.masked(model, heads, comp):
         pruned = window_scores(model, windows, 4)
     lazy = lazy_model(assets.resolve(name))
-    scope = lambda layer: surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)  # noqa: E731
+
+    def scope(layer):
+        return surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)
+
     assert torch.equal(window_scores(lazy.model, windows, 4, onloader=lazy)[0], base[0])
     got = window_scores(lazy.model, windows, 4, onloader=lazy, within=scope)
     assert torch.equal(got[0], pruned[0]) and torch.equal(got[1], pruned[1])
@@ -347,7 +350,10 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     assert main(["plan-memory", str(tmp_path / "r.yaml")]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
-    gib = lambda text: float(text.split()[0]) * (1 if text.split()[1] == "GiB" else 1 / 1024)  # noqa: E731
+
+    def gib(text):
+        return float(text.split()[0]) * (1 if text.split()[1] == "GiB" else 1 / 1024)
+
     square = 8192 ** 2 * 8 / 2**30  # one (H d_head)^2 float64 matrix
     block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2 / 2**30
     through, finished = "calibration: a batch through a block", "calibration: a finished layer's curves"
@@ -467,7 +473,10 @@ def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_p
     assert main(["prune", recipe, "--out", str(tmp_path / "memory"), "--set", "capture.hidden=memory"] + quick) == 0
     assert main(["prune", recipe, "--out", str(tmp_path / "disk"), "--set", "capture.hidden=disk",
                  "--set", f"capture.spill_dir={tmp_path / 'files'}"] + quick) == 0
-    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+
+    def read(run, f):
+        return json.loads((tmp_path / run / f).read_text())
+
     assert read("memory", "plan.json") == read("disk", "plan.json")
     assert read("memory", "metrics.json")["evaluation"] == read("disk", "metrics.json")["evaluation"]
     assert not any((tmp_path / "files").iterdir())

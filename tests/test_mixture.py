@@ -54,7 +54,10 @@ def test_the_held_back_slice_comes_from_every_source_and_never_from_the_sums(wor
     whole = data.samples(word_tokenizer, texts, "windows", 6, num_samples=20, seed=1)
     kept, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 6, num_samples=20, seed=1, holdout=5)
     assert len(kept) == 15 and len(held) == 5
-    rows = lambda b: {tuple(r) for r in b.input_ids.tolist()}  # noqa: E731
+
+    def rows(b):
+        return {tuple(r) for r in b.input_ids.tolist()}
+
     assert rows(kept) | rows(held) <= rows(whole) and len(rows(kept) | rows(held)) == len(rows(whole))
     king, queen = _ids(word_tokenizer, "king"), _ids(word_tokenizer, "queen")
     kept, held = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8, num_samples=16, holdout=4)

@@ -206,9 +206,11 @@ def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(w
     from pruner.recovery.train import BACKOFF, DRIFT
 
     teacher, student, _ = pair()
-    run = lambda restarts, lr=1e-2: pruner.recover(  # noqa: E731
-        copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
-        **{**QUICK, "lr": lr, "restarts": restarts}).record
+
+    def run(restarts, lr=1e-2):
+        return pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
+                              **{**QUICK, "lr": lr, "restarts": restarts}).record
+
     stuck, restarted = run(0), run(2)
     assert stuck["restarts"] == [] and stuck["kept"] == "pruned"  # 1e-2 throws this student off for good
     history = dict(restarted["validation_history"])

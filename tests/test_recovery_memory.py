@@ -164,8 +164,10 @@ def test_the_prepared_gpu_script_runs_its_check_on_a_cpu_and_predicts_without_we
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = lambda *a: subprocess.run([sys.executable, "eval/gpu_recovery.py", *a], cwd=root,  # noqa: E731
-                                    capture_output=True, text=True)
+
+    def run(*a):
+        return subprocess.run([sys.executable, "eval/gpu_recovery.py", *a], cwd=root, capture_output=True, text=True)
+
     same = run("--device", "cpu", "--only", "same", "--same-steps", "2", "--out", str(tmp_path))
     assert same.returncode == 0 and same.stdout.count("ok  ") == 2, same.stdout + same.stderr[-2000:]
     pred = run("--predict", "--model", "qwen2.5-0.5b")

@@ -56,7 +56,10 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     res = lm_evaluate(lm=lm, task_dict=loaded, bootstrap_iters=0, log_samples=True)
     samples = sorted(res["samples"]["tiny_task"], key=lambda s: s["doc_id"])
     assert len(samples) == len(DOCS)
-    enc = lambda s: word_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def enc(s):
+        return word_tokenizer(s, add_special_tokens=False)["input_ids"]
+
     rows, labels, harness_ll = [], [], []
     for doc, s in zip(DOCS, samples):
         assert [a[1] for a in s["arguments"]] == [" " + c for c in doc["choices"]]

@@ -139,7 +139,10 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
         reference, ref_tok, ref_name = model_and_tokenizer(compare_to, tokenizer if not isinstance(
             compare_to, (str, Path)) else None, given.trust_remote_code)
         same_tokenizer(tokenizer, ref_tok, (name, ref_name))
-        shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
+
+        def shape(m):
+            return (arch.geometry(m).n_layers, arch.geometry(m).n_heads)
+
         if shape(model) != shape(reference):
             raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
                              f"{ref_name} {shape(reference)}")

@@ -70,8 +70,10 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     tok = call.tokenizer or loading.load_tokenizer(call.recipe.model.path)
     causal = runtime.attends_causally(model)
     ev = call.recipe.evaluation
-    tasks_for = lambda m: Downstream(m, tok, tasks.spec_from_recipe(ev), causal,  # noqa: E731
-                                            n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
+
+    def tasks_for(m):
+        return Downstream(m, tok, tasks.spec_from_recipe(ev), causal, n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
+
     tasks_of = tasks_for(model)  # unknown tasks, a missing extra, an unreachable dataset: before any compute
     windows = context.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
     nll, count, _ = window_scores(model, windows, ev.batch_size, progress=progress, causal=causal)

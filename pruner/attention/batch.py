@@ -51,7 +51,9 @@ class ForwardBatch:
         key = (chunk, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
         if key not in self.layers:
             mask2d, sink, rows = self.on(device)
-            valid_of = lambda q0, q1, k1: valid_keys(None if mask is None else mask[..., :k1],  # noqa: E731
-                                                     mask2d[:, :k1], q0, q1, causal)
+
+            def valid_of(q0, q1, k1):
+                return valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
+
             self.layers[key] = st.layer_keys(valid_of, mask2d.shape[1], chunk, causal, sink, rows)
         return self.layers[key]

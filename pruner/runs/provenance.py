@@ -178,7 +178,10 @@ def _what_changed(what: str, old: dict, new: dict) -> str | None:
     if old.get("kind") == "hub" or new.get("kind") == "hub":
         if (old.get("repo_id"), old.get("commit")) == (new.get("repo_id"), new.get("commit")):
             return None
-        short = lambda c: (c or "unknown")[:12]  # noqa: E731
+
+        def short(c):
+            return (c or "unknown")[:12]
+
         return (f"{what} {new.get('name')} resolves to Hub commit {short(new.get('commit'))} now, "
                 f"{short(old.get('commit'))} when the run was made")
     a, b = old.get("files", {}), new.get("files", {})

@@ -212,8 +212,10 @@ def stage(session, result, progress: bool = True) -> None:
         raise rdata.RecoveryError("recovery needs the pruned model in memory; this run was pruned layer by "
                                   "layer (capture.onload): prune with onload: all, or recover later on a machine "
                                   "that holds it (`pruner recover RUN_DIR`)")
-    load = lambda: loading.load_base(session.recipe.model,  # noqa: E731
-                                     device=distributed.local_device(session.recipe.model.device))
+
+    def load():
+        return loading.load_base(session.recipe.model, device=distributed.local_device(session.recipe.model.device))
+
     dense = result.plan.heads if session.recipe.surgery.mode == "mask" else None
     cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
     done = recover_models(result.model, load(), session.tokenizer, spec, evaluation=session.evaluation,
