@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eager_reference import eager_stats
 from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
 
 from pruner.attention import sums
 from pruner.attention.capture import Capture, CaptureConfig, capture_stats
-from pruner.attention.eager import eager_stats
 from pruner.attention.sinks import SinkSpec
 from pruner.core.data import pad
 

@@ -78,17 +78,6 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     assert torch.allclose(-nll, torch.tensor(harness_ll, dtype=torch.float64), atol=1e-4)
 
 
-@pytest.mark.integration
-def test_task_yamls_naming_the_old_module_path_still_load(tmp_path):
-    """Task YAMLs written before the subpackages name `pruner.tasks.jsonl_dataset`: the same documents load."""
-    docs = {}
-    for function in ("pruner.tasks.jsonl_dataset", "pruner.evaluation.tasks.jsonl_dataset"):
-        folder = write_task(tmp_path / function, function=function)
-        loaded = tasks.load_tasks(tasks.TaskSpec(("tiny_task",), (str(folder),)))
-        docs[function] = [dict(d) for d in loaded["tasks"]["tiny_task"].eval_docs]
-    assert docs["pruner.tasks.jsonl_dataset"] == docs["pruner.evaluation.tasks.jsonl_dataset"] == DOCS
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("name,first", [("minilm-causal", 101), ("gpt2-shakespeare", 0), ("llama-shakespeare", 0)])
 def test_encoding_starts_with_the_training_bos_and_appends_nothing(name, first):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pruner.analysis import flips as audit
+from pruner.analysis import flips
 from pruner.attention import composition as cp
 from pruner.attention.sums import HeadStats
 
@@ -97,19 +97,19 @@ def distance(m: Tensor, similarity: bool) -> Tensor:
 
 def default_threshold(full: Tensor) -> float:
     """The median FULL value over the head pairs (i < j) of a model-wide matrix."""
-    return float(audit.upper_pairs(full).double().median())
+    return float(flips.upper_pairs(full).double().median())
 
 
 def flip_rates(full: Tensor, content: Tensor, similarity: bool, threshold: float) -> dict:
     """The three flip rates between two (head, head) matrices of one metric, and the verdict shares."""
 
     def share(m):
-        return float(audit.redundant_pairs(m, threshold, similarity).double().mean())
+        return float(flips.redundant_pairs(m, threshold, similarity).double().mean())
 
     return {
-        "nn_flip_rate": float(audit.nn_flip_rate(full[None], content[None], similarity)[0]),
-        "pair_order_flip_rate": float(audit.pair_order_flip_rate(full, content)),
-        "verdict_flip_rate": float(audit.verdict_flip_rate(full, content, threshold, similarity)),
+        "nn_flip_rate": float(flips.nn_flip_rate(full[None], content[None], similarity)[0]),
+        "pair_order_flip_rate": float(flips.pair_order_flip_rate(full, content)),
+        "verdict_flip_rate": float(flips.verdict_flip_rate(full, content, threshold, similarity)),
         "redundant_share_full": share(full),
         "redundant_share_content": share(content),
     }

@@ -122,7 +122,7 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     """
     import dataclasses
 
-    from pruner.analysis import convention as analysis
+    from pruner.analysis import convention
     from pruner.attention.capture import CaptureConfig, capture_stats
     from pruner.core.version import __version__
 
@@ -148,7 +148,7 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
                              f"{ref_name} {shape(reference)}")
     model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
         model, tokenizer, data, across_layers=True, progress=progress, checkpoints=checkpoints, **options)
-    config = analysis.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
+    config = convention.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
                                      clusters=opts.clusters, seed=opts.seed)
     res = {"pruner_version": __version__, "model": name, "compare_to": ref_name,
            "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
@@ -158,15 +158,15 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
                     "unit": unit, "samples": len(batch), "max_length": opts.max_length, "seed": opts.seed,
                     "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
                     "excluded_rows": int(stats.excluded_rows[0])}}
-    res.update(analysis.analyze(stats, config))
+    res.update(convention.analyze(stats, config))
     ref_stats = None
     if reference is not None:
         ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
                                                                                   metrics=()),
                                   batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints,
                                   name="reference")
-        res["entropy_attribution"] = {"reference": ref_name, **analysis.entropy_attribution(ref_stats, stats),
-                                      "reference_heads": analysis.head_tables(ref_stats)}
+        res["entropy_attribution"] = {"reference": ref_name, **convention.entropy_attribution(ref_stats, stats),
+                                      "reference_heads": convention.head_tables(ref_stats)}
     return Analysis(res, stats, ref_stats, prov)
 
 

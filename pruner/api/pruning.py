@@ -10,8 +10,7 @@ from pruner.api.calls import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
-from pruner.runs import autochoice, comparison, compensating, pipeline, provenance, recovering, report
-from pruner.runs import folders as runs
+from pruner.runs import autochoice, comparison, compensating, folders, pipeline, provenance, recovering, report
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
 
@@ -72,7 +71,7 @@ class Result:
         """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md,
         provenance.json)."""
         with outputs.atomic_dir(Path(folder), overwrite) as tmp:
-            runs.save_run(self, tmp)
+            folders.save_run(self, tmp)
         return Path(folder)
 
     def __repr__(self) -> str:

@@ -220,8 +220,7 @@ def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progre
     import dataclasses
     import tempfile
 
-    from pruner.checkpoints import layout as forms
-    from pruner.checkpoints import onnx
+    from pruner.checkpoints import layout, onnx
     from pruner.evaluation import onnx_timing
 
     onnx.require()
@@ -230,7 +229,7 @@ def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progre
         raise ValueError(f"{run_dir} was pruned from a model built in memory: bench needs its base")
     base = loading.load_base(run.recipe.model.model_copy(update={"dtype": "float32"}))
     pruned = compact_copy(base, run.heads, run.bias)
-    kind, why = forms.layout(pruned, removed=True)
+    kind, why = layout.layout(pruned, removed=True)
     if kind != "vanilla":
         raise ValueError(f"ONNX Runtime GenAI needs a vanilla compact model, and this run's is not: {why}; prune "
                          "with selection.shape: servable at a servable target")

@@ -15,8 +15,7 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 
 from pruner.attention.capture import CaptureConfig
-from pruner.checkpoints import layout as forms
-from pruner.checkpoints import streamed
+from pruner.checkpoints import layout, streamed
 from pruner.core import arch, distributed
 from pruner.evaluation import bench
 from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
@@ -115,7 +114,7 @@ def selection_config(recipe: Recipe, model=None, target: float | None = None, bu
     servable` on a family whose vanilla config can describe a pruned model, the per-layer counts it holds."""
     s = recipe.selection
     gqa = gqa or s.gqa
-    shapes = forms.servable_prunes(model, gqa) if model is not None and s.shape == "servable" else None
+    shapes = layout.servable_prunes(model, gqa) if model is not None and s.shape == "servable" else None
     budget = budget or s.budget
     if shapes is not None and budget == "global":
         raise SelectionError(f"selection.budget: global lets layers keep different head counts, which no vanilla "
