@@ -1,7 +1,7 @@
 """No import cycles, inside a subpackage included, imports inside functions included.
 
 The layers contract (lint-imports) forbids imports that go up between subpackages; it cannot see a cycle
-between two modules of the same subpackage (runs/folders -> runs/pipeline -> runs/recovering -> runs/folders
+between two modules of the same subpackage (runs/folders -> runs/pipeline -> runs/recovery_stage -> runs/folders
 was one, closed through imports inside functions). grimp builds the graph lint-imports checks, with every
 import in a file, at module level or not, so a cycle found here is one Python could hit at run time.
 """

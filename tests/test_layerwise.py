@@ -414,19 +414,19 @@ def test_float32_moments_keep_the_plan_and_the_refit(onload, tmp_path):
 
 def test_a_layer_by_layer_calibration_that_cannot_fit_names_the_setting_that_does(monkeypatch):
     """Before any compute: device and host against the memory model; the refusal names what would fit."""
-    from pruner.runs import memory_plan, resources
+    from pruner.runs import calibration_memory, resources
 
     lazy = lazy_model(assets.resolve("llama-shakespeare"))
     sizes = resources.Sizes(batch_size=4, length=128, outputs=True, folds=16, local=True)
-    big = memory_plan.memory_plan(lazy.model, sizes, 64, "sequential", "cpu", systems=True)
-    small = memory_plan.memory_plan(lazy.model, replace(sizes, folds=0), 64, "sequential", "cpu", systems=True)
+    big = calibration_memory.memory_plan(lazy.model, sizes, 64, "sequential", "cpu", systems=True)
+    small = calibration_memory.memory_plan(lazy.model, replace(sizes, folds=0), 64, "sequential", "cpu", systems=True)
     outside = next(v for k, v in big.device.parts.items() if k.startswith("weights outside the blocks"))
     free = (big.total + small.total) // 2 - outside  # room without the fold moments only
-    monkeypatch.setattr(memory_plan, "available_memory", lambda device: free)
+    monkeypatch.setattr(calibration_memory, "available_memory", lambda device: free)
     with pytest.raises(resources.ResourceError, match=r"not enough memory for the layer-by-layer calibration: the "
                        r"memory needs about .* more and has .* free; set .*surgery.ridge: a number such as 0.1"):
-        memory_plan.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
-    assert memory_plan.check_sequential(lazy.model, replace(sizes, folds=0), 64, "cpu", True) is not None
+        calibration_memory.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
+    assert calibration_memory.check_sequential(lazy.model, replace(sizes, folds=0), 64, "cpu", True) is not None
 
 
 def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path):
@@ -466,7 +466,7 @@ def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path
 def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_path, monkeypatch):
     """`capture.hidden: disk` writes the run of `memory`; with `auto` the memory check sends them to files only
     where memory cannot hold them and files make it fit (said in a warning), and names the setting otherwise."""
-    from pruner.runs import memory_plan, resources
+    from pruner.runs import calibration_memory, resources
 
     quick = QUICK + ["--set", "capture.onload=sequential", "--set", "surgery.ridge=0.1"]
     recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
@@ -483,14 +483,16 @@ def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_p
 
     lazy = lazy_model(assets.resolve("llama-shakespeare"))
     sizes = resources.Sizes(batch_size=4, length=128, outputs=True)
-    kept, spilled = (memory_plan.memory_plan(lazy.model, sizes, 4096, "sequential", "cpu", spill=s) for s in (0, 1))
+    kept, spilled = (calibration_memory.memory_plan(lazy.model, sizes, 4096, "sequential", "cpu", spill=s)
+                     for s in (0, 1))
     outside = next(v for k, v in kept.device.parts.items() if k.startswith("weights outside the blocks"))
     d_model = lazy.model.config.hidden_size
     assert kept.total - spilled.total == 4096 * 128 * d_model * 4  # every window's hidden states, float32
-    monkeypatch.setattr(memory_plan, "available_memory", lambda device: (kept.total + spilled.total) // 2 - outside)
-    assert memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
+    free = (kept.total + spilled.total) // 2 - outside
+    monkeypatch.setattr(calibration_memory, "available_memory", lambda device: free)
+    assert calibration_memory.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
     with pytest.raises(resources.ResourceError, match=r"set capture.hidden: disk \(every window's hidden states"):
-        memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
+        calibration_memory.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
 
 
 def test_a_spill_folder_that_cannot_be_made_is_named_before_any_work(tmp_path, capsys):

@@ -44,7 +44,7 @@ def test_one_paired_pass_gives_each_models_perplexity_and_the_mean_kl_over_the_c
         word_tokenizer, route, monkeypatch):
     from pruner.evaluation import perplexity
     from pruner.evaluation.perplexity import sliding_windows, window_scores
-    from pruner.runs.recovering import scores
+    from pruner.runs.recovery_stage import scores
 
     if route == "head in slices":
         monkeypatch.setattr(perplexity, "LOGIT_BYTES", 4 * 64 * 3)  # 3 positions of a 64-token vocabulary a slice

@@ -15,7 +15,7 @@ from pruner.core.runtime import model_bytes
 from pruner.recovery import memory, methods
 from pruner.recovery.data import RecoveryError
 from pruner.recovery.spec import RecoverySpec
-from pruner.runs import recovering, recovery_memory
+from pruner.runs import recovery_memory, recovery_stage
 from pruner.runs.resources import ResourceError
 from tests.test_recovery import QUICK, Killed, pair, texts
 
@@ -97,18 +97,18 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
     teacher, student, _ = pair()
     spec = RecoverySpec(**{**QUICK, "teacher": "cached", "top_k": 64, "method": "full"})
     ev = sliding_windows(word_tokenizer, texts(8, seed=5), 16)
-    held = recovering.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
-                                     options=recovering.Options(progress=False), texts=texts())
-    devices, real = [], recovering.train
+    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
+                                         options=recovery_stage.Options(progress=False), texts=texts())
+    devices, real = [], recovery_stage.train
 
     def watching(model, targets, *args, **kwargs):
         devices.append(next(let_go.parameters()).device.type)
         return real(model, targets, *args, **kwargs)
-    monkeypatch.setattr(recovering, "train", watching)
+    monkeypatch.setattr(recovery_stage, "train", watching)
     let_go = copy.deepcopy(teacher)
-    freed = recovering.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
-                                      options=recovering.Options(progress=False), texts=texts(),
-                                      reload_teacher=lambda: copy.deepcopy(teacher))
+    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
+                                          options=recovery_stage.Options(progress=False), texts=texts(),
+                                          reload_teacher=lambda: copy.deepcopy(teacher))
     assert devices == ["meta"]  # no teacher weight in memory while the student trained
     assert freed.record["memory_estimate"]["teacher"] == 0 < held.record["memory_estimate"]["teacher"]
     assert freed.record["perplexity"] == held.record["perplexity"]  # the scores after: the teacher read again

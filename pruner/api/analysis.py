@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner.api.calls import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
+from pruner.api.arguments import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
 from pruner.core import arch, distributed, environment, outputs, resume, runtime
 from pruner.runs import provenance, resources
 from pruner.runs.analyze_spec import AnalyzeSpec
@@ -149,7 +149,7 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
         model, tokenizer, data, across_layers=True, progress=progress, checkpoints=checkpoints, **options)
     config = convention.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
-                                     clusters=opts.clusters, seed=opts.seed)
+                                       clusters=opts.clusters, seed=opts.seed)
     res = {"pruner_version": __version__, "model": name, "compare_to": ref_name,
            "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
            "metrics": list(config.metrics),

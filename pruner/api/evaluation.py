@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pruner.api.calls import IN_MEMORY, model_name, resolve_call
+from pruner.api.arguments import IN_MEMORY, model_name, resolve_call
 from pruner.checkpoints import loading
 from pruner.core import runtime
 from pruner.evaluation import accuracy

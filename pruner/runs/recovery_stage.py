@@ -305,7 +305,7 @@ def write_run(run: folders.Run, recipe, model, tokenizer, metrics: dict, tmp: Pa
     """The recovered run folder: model/ (reload-checked), the run's plan and compensation, the new metrics,
     recipe, report and provenance."""
     saved = folders.save_checkpoint(model, tokenizer, tmp / "model", metrics["surgery"] == "remove",
-                                 folders.recipe_storage_dtype(run.recipe))
+                                    folders.recipe_storage_dtype(run.recipe))
     metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
                    model_bytes=sum(f.stat().st_size for f in (tmp / "model").glob("*.safetensors")))
     for name in ("plan.json", folders.COMPENSATION_FILE):

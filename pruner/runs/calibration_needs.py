@@ -1,5 +1,5 @@
 """What a calibration accumulates and computes per layer, decided from the recipe -- by the pipeline that runs it
-and by the memory model that predicts it alike (`pruner.runs.memory_plan`), so the two cannot disagree."""
+and by the memory model that predicts it alike (`pruner.runs.calibration_memory`), so the two cannot disagree."""
 
 from __future__ import annotations
 

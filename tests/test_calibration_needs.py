@@ -1,9 +1,9 @@
 """Only what a stage reads is accumulated (issue 33): for every scorer x compensation x ridge x budget, the sums a
 layer-by-layer calibration hands each finished layer to are the ones the memory model counts -- the joint moment
 where a scorer or a refit computed from that pass reads it, fold moments only for such a refit with ridge auto --
-and their bytes are the memory model's `a finished layer's whole sums`. The decision itself (`runs.reads`) is
-tested case by case first, the measured ablation scorers included (the whole-run test leaves them out: L x H
-passes)."""
+and their bytes are the memory model's `a finished layer's whole sums`. The decision itself
+(`runs.calibration_needs`) is tested case by case first, the measured ablation scorers included (the whole-run test
+leaves them out: L x H passes)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pruner.pruning.curves import CurveKey
 from pruner.pruning.per_layer import LocalCompensation
 from pruner.pruning.scoring import SCORERS, get_scorer
 from pruner.pruning.selection import check_target
-from pruner.runs import context, memory_plan, memory_run, pipeline, reads
+from pruner.runs import calibration_memory, calibration_needs, context, pipeline, prune_memory
 from pruner.runs.recipe import SurgerySpec
 from pruner.runs.recipe_io import load_recipe
 
@@ -38,21 +38,21 @@ ONESHOT = SurgerySpec()  # refit, one-shot, ridge auto over 4 folds
 ])
 def test_the_calibration_reads_the_joint_and_fold_moments_only_where_a_stage_does(scorer, kinds, spec, layerwise,
                                                                                    local, want):
-    assert reads.capture_reads([get_scorer(scorer)], kinds, spec, layerwise, local) == want
+    assert calibration_needs.capture_reads([get_scorer(scorer)], kinds, spec, layerwise, local) == want
 
 
 @pytest.mark.unit
 def test_a_layer_is_compensated_as_it_finishes_only_for_a_one_shot_refit_of_quotas_layer_by_layer():
     key = CurveKey("sink-aware", None, "group", 1)
-    assert reads.local_compensation([2, 1], key, SurgerySpec(ridge=0.1), True) == \
+    assert calibration_needs.local_compensation([2, 1], key, SurgerySpec(ridge=0.1), True) == \
         (LocalCompensation(key, (2, 1), "refit", 0.1),)
-    assert reads.local_compensation([2, 1], key, ONESHOT, True)[0].ridge == "auto"
-    assert reads.local_compensation([2, 1], key, ONESHOT, False) == ()  # the whole model: one refit at the end
-    assert reads.local_compensation(None, key, ONESHOT, True) == ()  # a global budget: heads known only at the end
-    assert reads.local_compensation([2, 1], key, SurgerySpec(compensation="mean"), True) == ()
-    assert reads.local_compensation([2, 1], key, SurgerySpec(refit_mode="sequential"), True) == ()
+    assert calibration_needs.local_compensation([2, 1], key, ONESHOT, True)[0].ridge == "auto"
+    assert calibration_needs.local_compensation([2, 1], key, ONESHOT, False) == ()  # whole model: one refit at the end
+    assert calibration_needs.local_compensation(None, key, ONESHOT, True) == ()  # global budget: heads known at the end
+    assert calibration_needs.local_compensation([2, 1], key, SurgerySpec(compensation="mean"), True) == ()
+    assert calibration_needs.local_compensation([2, 1], key, SurgerySpec(refit_mode="sequential"), True) == ()
     for scorer in ("gradient", "ablation", "ablation-shortlist"):  # curves that exist only after the capture
-        assert reads.local_compensation([2, 1], CurveKey(scorer, None, "group", 1), ONESHOT, True) == ()
+        assert calibration_needs.local_compensation([2, 1], CurveKey(scorer, None, "group", 1), ONESHOT, True) == ()
 
 
 def _bytes(sums) -> int:
@@ -90,11 +90,11 @@ def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
                     pipeline.make_plan(session, progress=False)
                     model = session.model
                     quota = check_target(arch.geometry(model), pipeline.selection_config(recipe, model))[1]
-                    sizes = memory_run.calibration_sizes(recipe, model, quota)
+                    sizes = prune_memory.calibration_sizes(recipe, model, quota)
                     case = (name, compensation, ridge, shape)
                     assert len(seen) == arch.geometry(model).n_layers, case
                     assert {(j, f) for j, f, _ in seen} == {(sizes.joint, sizes.folds or None)}, case
-                    want = memory_plan.whole_layer_bytes(model, sizes)
+                    want = calibration_memory.whole_layer_bytes(model, sizes)
                     assert all(abs(b - want) <= 0.02 * want for *_, b in seen), (case, want, seen[0])
                     checked.add((sizes.joint, sizes.folds, sizes.local))
     # every combination the decision can make was seen: no joint; joint alone; joint with folds and a local refit
