@@ -47,8 +47,11 @@ def main() -> None:
                  for name in ("sink-aware", "gradient", "fluctuation", "refit-energy")}
         heads = plans["refit-energy"]
         refit = compensate(model, heads, inputs.stats.outputs, "refit")
-        collect = lambda: capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(  # noqa: E731
-            metrics=(), outputs=True), batch_size=2).outputs
+
+        def collect():
+            return capture_stats(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=(), outputs=True),
+                                 batch_size=2).outputs
+
         seq = refit_sequential(model, heads, collect)
         comp = {f"{name}/{kind}/{layer}": v for name, c in (("oneshot", refit), ("sequential", seq))
                 for kind in ("bias", "weight") for layer, v in getattr(c, kind).items()}

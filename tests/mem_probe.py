@@ -40,9 +40,9 @@ def main() -> None:
     if mode == "moments":
         return moments(T)
     import transformers as tf
+    from eager_reference import eager_stats
 
     from pruner.attention.capture import CaptureConfig, capture_stats
-    from pruner.attention.eager import eager_stats
     from pruner.attention.sinks import SinkSpec
     from pruner.core.data import TokenBatch
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 from tiny import CAUSAL, ragged_batch, tiny_model
 
-from pruner.analysis import convention as analysis
-from pruner.analysis import flips as audit
+from pruner.analysis import convention, flips
 from pruner.attention import composition as cp
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec, sink_mask
@@ -26,12 +25,12 @@ def test_discordant_share_extremes_and_kendall():
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(40, generator=g, dtype=torch.float64)
-    assert audit.discordant_share(x, x).item() == 0
-    assert audit.discordant_share(x, 3 * x + 1).item() == 0  # any increasing map keeps every order
-    assert audit.discordant_share(x, -x).item() == 1
+    assert flips.discordant_share(x, x).item() == 0
+    assert flips.discordant_share(x, 3 * x + 1).item() == 0  # any increasing map keeps every order
+    assert flips.discordant_share(x, -x).item() == 1
     y = x + torch.randn(40, generator=g, dtype=torch.float64)
     tau = kendalltau(x.numpy(), y.numpy()).statistic  # no ties: tau-b = tau-a
-    assert audit.discordant_share(x, y, block=7).item() == pytest.approx((1 - tau) / 2, abs=1e-12)
+    assert flips.discordant_share(x, y, block=7).item() == pytest.approx((1 - tau) / 2, abs=1e-12)
 
 
 @pytest.mark.unit
@@ -39,7 +38,7 @@ def test_discordant_share_counts_ties_as_no_reversal():
     # pairs: (0,1) x-tie; (0,2) concordant; (1,2) discordant -> 1 of 3
     x = torch.tensor([0.0, 0.0, 1.0])
     y = torch.tensor([0.0, 2.0, 1.0])
-    assert audit.discordant_share(x, y).item() == pytest.approx(1 / 3)
+    assert flips.discordant_share(x, y).item() == pytest.approx(1 / 3)
 
 
 @pytest.mark.unit
@@ -48,16 +47,16 @@ def test_pair_order_and_verdict_flip_on_hand_made_matrices():
                          [0.9, 1.0, 0.7, 0.2],
                          [0.8, 0.7, 1.0, 0.3],
                          [0.1, 0.2, 0.3, 1.0]])
-    assert audit.upper_pairs(full).tolist() == pytest.approx([0.9, 0.8, 0.1, 0.7, 0.2, 0.3])
-    assert audit.pair_order_flip_rate(full, full).item() == 0
-    assert audit.pair_order_flip_rate(full, 1 - full).item() == 1  # similarity vs its distance: all reversed
+    assert flips.upper_pairs(full).tolist() == pytest.approx([0.9, 0.8, 0.1, 0.7, 0.2, 0.3])
+    assert flips.pair_order_flip_rate(full, full).item() == 0
+    assert flips.pair_order_flip_rate(full, 1 - full).item() == 1  # similarity vs its distance: all reversed
     content = full.clone()
     content[0, 1] = content[1, 0] = 0.05  # the top pair drops to the bottom: 5 of 15 pairs of pairs reverse
-    assert audit.pair_order_flip_rate(full, content).item() == pytest.approx(5 / 15)
+    assert flips.pair_order_flip_rate(full, content).item() == pytest.approx(5 / 15)
     # redundant if >= 0.5: full says 3 pairs (0-1, 0-2, 1-2), content 2 -> 1 of 6 verdicts flips
-    assert audit.verdict_flip_rate(full, content, 0.5, similarity=True).item() == pytest.approx(1 / 6)
+    assert flips.verdict_flip_rate(full, content, 0.5, similarity=True).item() == pytest.approx(1 / 6)
     # as distances (redundant if <= 0.5) the same cut gives the complementary sets, so again 1 of 6
-    assert audit.verdict_flip_rate(full, content, 0.5, similarity=False).item() == pytest.approx(1 / 6)
+    assert flips.verdict_flip_rate(full, content, 0.5, similarity=False).item() == pytest.approx(1 / 6)
 
 
 @pytest.mark.unit
@@ -67,21 +66,21 @@ def test_audit_metric_overall_and_per_layer_blocks():
     full = (m + m.T) / 2
     content = full.clone()
     content[0, 2] = content[2, 0] = 10.0  # layer 0 (heads 0-2): head 0 and 2 become each other's nearest
-    out = analysis.audit_metric(full, content, n_layers=2, similarity=True)
-    assert out["threshold"] == pytest.approx(audit.upper_pairs(full).median().item())
+    out = convention.audit_metric(full, content, n_layers=2, similarity=True)
+    assert out["threshold"] == pytest.approx(flips.upper_pairs(full).median().item())
     assert out["per_layer"]["pair_order_flip_rate"][1] == 0 and out["per_layer"]["nn_flip_rate"][1] == 0
-    nn_full = audit.nearest_neighbours(full[None, :3, :3], True)[0]
+    nn_full = flips.nearest_neighbours(full[None, :3, :3], True)[0]
     expected = ((nn_full != torch.tensor([2, nn_full[1], 0])).double().mean()).item()
     assert out["per_layer"]["nn_flip_rate"][0] == pytest.approx(expected)
-    assert out["overall"]["pair_order_flip_rate"] == pytest.approx(audit.pair_order_flip_rate(full, content).item())
-    given = analysis.audit_metric(full, content, 2, True, threshold=0.5)
+    assert out["overall"]["pair_order_flip_rate"] == pytest.approx(flips.pair_order_flip_rate(full, content).item())
+    given = convention.audit_metric(full, content, 2, True, threshold=0.5)
     assert given["threshold"] == 0.5 and given["threshold_rule"] == "given"
 
 
 @pytest.mark.unit
 def test_distance_is_symmetric_with_zero_diagonal():
     m = torch.tensor([[0.98, 0.2], [0.4, 1.0]])
-    d = analysis.distance(m, similarity=True)
+    d = convention.distance(m, similarity=True)
     assert torch.equal(d, d.T) and d.diagonal().abs().sum() == 0
     assert d[0, 1].item() == pytest.approx(0.7)
 
@@ -101,14 +100,14 @@ def _two_groups(n: int = 12, seed: int = 0):
 @pytest.mark.unit
 def test_clustering_finds_groups_and_the_leading_axis_follows_them():
     d, sink = _two_groups()
-    res = analysis.cluster_convention(d, sink, k=2, linkage="complete", seed=0)
+    res = convention.cluster_convention(d, sink, k=2, linkage="complete", seed=0)
     labels = np.asarray(res["labels"]).flatten()
     assert len(set(labels[:6])) == 1 and len(set(labels[6:])) == 1 and labels[0] != labels[6]
     assert res["mds_axis1_vs_sink_mass"]["pearson"] > 0.99  # oriented positive, groups split on axis 1
     assert res["sink_mass_eta2"] > 0.99 and res["mds_plane_vs_sink_mass_r"] > 0.99
     xy = np.asarray(res["mds"]).reshape(-1, 2)
     assert xy[:, 0].var() >= xy[:, 1].var()  # rotated to principal axes
-    same = analysis.cluster_metric(1 - d, 1 - d, sink, True, analysis.AnalysisConfig(clusters=2), 2)
+    same = convention.cluster_metric(1 - d, 1 - d, sink, True, convention.AnalysisConfig(clusters=2), 2)
     assert same["ari"] == 1.0
 
 
@@ -118,20 +117,20 @@ def test_plane_correlation_is_rotation_invariant():
     xy = g.normal(size=(30, 2))
     sink = 0.3 * xy[:, 1] + 0.5  # sink size along axis 2 only
     assert abs(np.corrcoef(xy[:, 0], sink)[0, 1]) < 0.5
-    assert analysis.plane_correlation(xy, sink) == pytest.approx(1.0)
+    assert convention.plane_correlation(xy, sink) == pytest.approx(1.0)
     rot = np.array([[np.cos(1.0), -np.sin(1.0)], [np.sin(1.0), np.cos(1.0)]])
     noisy = sink + 0.1 * g.normal(size=30)
-    assert analysis.plane_correlation(xy @ rot, noisy) == pytest.approx(analysis.plane_correlation(xy, noisy))
+    assert convention.plane_correlation(xy @ rot, noisy) == pytest.approx(convention.plane_correlation(xy, noisy))
 
 
 @pytest.mark.unit
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="clusters"):
-        analysis.AnalysisConfig(clusters=1)
+        convention.AnalysisConfig(clusters=1)
     with pytest.raises(ValueError, match="not analysed"):
-        analysis.AnalysisConfig(metrics=("cosine",), thresholds={"js": 0.1})
+        convention.AnalysisConfig(metrics=("cosine",), thresholds={"js": 0.1})
     with pytest.raises(ValueError, match="linkage"):
-        analysis.AnalysisConfig(linkage="ward")
+        convention.AnalysisConfig(linkage="ward")
 
 
 # --------------------------------------------------------------------------- integration: model-wide capture
@@ -203,7 +202,10 @@ def test_model_wide_pairs_refuse_layers_that_see_different_keys():
 def test_model_wide_pairs_do_not_depend_on_batching_or_padding():
     model = tiny_model("llama")
     samples = ragged_batch(seed=4, n=7)
-    cfg = lambda c: CaptureConfig(chunk_size=c, metrics=("cosine", "js"), across_layers=True)  # noqa: E731
+
+    def cfg(c):
+        return CaptureConfig(chunk_size=c, metrics=("cosine", "js"), across_layers=True)
+
     a = capture_stats(model, pad(samples, 0, "right"), SinkSpec("first"), config=cfg(64), batch_size=7)
     b = capture_stats(model, pad(samples[::-1], 0, "left"), SinkSpec("first"), config=cfg(5), batch_size=3)
     for k in a.model_pairs:
@@ -217,7 +219,7 @@ def test_entropy_attribution_adds_up_between_paired_states():
     cfg = CaptureConfig(metrics=())
     before = capture_stats(tiny_model("llama", seed=0), batch, spec, config=cfg)
     after = capture_stats(tiny_model("llama", seed=1), batch, spec, config=cfg)
-    att = analysis.entropy_attribution(before, after)
+    att = convention.entropy_attribution(before, after)
     for level in ("per_head", "per_layer"):
         d, s, c = (np.asarray(att[level][k]) for k in ("delta", "sink_part", "content_part"))
         np.testing.assert_allclose(s + c, d, rtol=0, atol=1e-9)
@@ -227,7 +229,7 @@ def test_entropy_attribution_adds_up_between_paired_states():
     assert ov["sink_part"] + ov["content_part"] == pytest.approx(ov["delta"], abs=1e-12)
     assert ov["sink_share"] == pytest.approx(ov["sink_part"] / ov["delta"])
     with pytest.raises(ValueError, match="layers x heads"):
-        analysis.entropy_attribution(before, dataclasses.replace(after, sink_mass=torch.zeros(3, 4)))
+        convention.entropy_attribution(before, dataclasses.replace(after, sink_mass=torch.zeros(3, 4)))
 
 
 @pytest.mark.integration

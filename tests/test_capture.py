@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eager_reference import eager_stats
 from tiny import CAUSAL, FAMILIES, ragged_batch, tiny_model
 
 from pruner.attention import sums
 from pruner.attention.capture import Capture, CaptureConfig, capture_stats
-from pruner.attention.eager import eager_stats
 from pruner.attention.sinks import SinkSpec
 from pruner.core.data import pad
 
@@ -123,7 +123,10 @@ def test_invariant_to_batch_size_padding_order_and_chunks(fam):
     model = tiny_model(fam)
     samples = ragged_batch(seed=1, n=7)
     spec = spec_for(fam)
-    cfg = lambda c: CaptureConfig(chunk_size=c, metrics=METRICS)  # noqa: E731
+
+    def cfg(c):
+        return CaptureConfig(chunk_size=c, metrics=METRICS)
+
     base = capture_stats(model, pad(samples, 0, "right"), spec, config=cfg(64), batch_size=7)
     variants = [
         capture_stats(model, pad(samples, 0, "left"), spec, config=cfg(64), batch_size=7),

@@ -20,10 +20,11 @@ def peak_mib(mode: str, T: int) -> float:
 def test_a_batch_of_joint_moments_takes_what_the_memory_model_counts():
     """A batch's joint moment is its float32 product and float64 copy, added once to the running sums: the memory
     model's `one batch's sums` (it used to count the copy twice, over-predicting the lean recipe by a quarter)."""
-    from pruner.core.arch import geometry
-    from pruner.runs.memory_plan import _running_bytes, meta_model
-    from pruner.runs.resources import Sizes
     from transformers import LlamaConfig
+
+    from pruner.core.arch import geometry
+    from pruner.runs.calibration_memory import _running_bytes, meta_model
+    from pruner.runs.resources import Sizes
 
     model = meta_model(LlamaConfig(num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
                                    hidden_size=2048, intermediate_size=64, vocab_size=64))

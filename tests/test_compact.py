@@ -22,8 +22,7 @@ from tiny import CAUSAL, FAMILIES, GQA, ragged_batch, tiny_model
 
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec
-from pruner.checkpoints import layout as forms
-from pruner.checkpoints import loading, modeling, saving, storage
+from pruner.checkpoints import layout, loading, modeling, saving, storage
 from pruner.core import arch, assets
 from pruner.core.data import pad
 from pruner.core.runtime import forward
@@ -175,7 +174,7 @@ def test_a_bias_the_config_cannot_declare_is_per_layer_and_dense_is_refused(tmp_
     """Mistral has no attention_bias switch: mean compensation's o_proj bias lives in the per-layer form."""
     model = pruned("mistral", {0: [0, 2], 1: [1, 3]})  # uniform counts, but a bias on both o_projs
     with pytest.raises(storage.CheckpointError, match="cannot write a dense checkpoint.*--format compact"):
-        forms.layout(model, removed=False)
+        layout.layout(model, removed=False)
     saved = saving.save(model, word_tokenizer, tmp_path, removed=True)
     assert saved.layout == "per-layer" and "mistral config cannot declare" in saved.why_per_layer
     assert json.loads((tmp_path / "config.json").read_text())["o_proj_bias_per_layer"] == [True, True]

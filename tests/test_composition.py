@@ -135,7 +135,10 @@ def test_aitchison_balance_matches_formula_several_sinks():
     x = torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]], dtype=torch.float64)
     sink = torch.tensor([[True, True, False, False, False]])
     valid = torch.ones_like(sink)
-    gm = lambda v: torch.exp(torch.log(v).mean())  # noqa: E731
+
+    def gm(v):
+        return torch.exp(torch.log(v).mean())
+
     expected = math.sqrt(2 * 3 / 5) * math.log(gm(x[0, :2]) / gm(x[0, 2:]))
     assert cp.sc_balance_log(torch.log(x), sink, valid).item() == pytest.approx(expected, rel=1e-12)
 

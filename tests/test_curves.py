@@ -22,9 +22,14 @@ def synthetic(L: int, H: int, seed: int, ties: bool = False) -> ScoringInputs:
     """Per-head statistics, cosine pair matrices and a symmetric interaction per layer, seeded; `ties`: values
     drawn from a handful, so that equal scores (and the tie-breaks) are common."""
     g = torch.Generator().manual_seed(seed)
-    draw = (lambda *s: torch.randint(0, 3, s, generator=g).double() / 2) if ties else \
-        (lambda *s: torch.rand(*s, generator=g, dtype=torch.float64))  # noqa: E731
-    per = lambda: draw(L, H)  # noqa: E731
+
+    def draw(*s):
+        return torch.randint(0, 3, s, generator=g).double() / 2 if ties else \
+            torch.rand(*s, generator=g, dtype=torch.float64)
+
+    def per():
+        return draw(L, H)
+
     sim = draw(L, H, H)
     sim = (sim + sim.transpose(1, 2)) / 2
     cross = draw(L, H, H) - 0.5
@@ -85,7 +90,10 @@ def test_a_per_layer_budget_takes_each_curves_prefix():
 
 def test_a_curve_goes_as_deep_as_the_layer_allows():
     inputs = synthetic(1, 8, 3)
-    score = lambda a: _interacting(inputs, a[None], None)[0]  # noqa: E731
+
+    def score(a):
+        return _interacting(inputs, a[None], None)[0]
+
     assert sum(len(s.heads) for s in layer_curve(score, True, 8, 1, "equal", 1, None, inputs.stats.sink_mass[0])) == 7
     assert sum(len(s.heads) for s in layer_curve(score, True, 8, 1, "equal", 3, None, inputs.stats.sink_mass[0])) == 5
     equal = layer_curve(score, True, 8, 4, "equal", 1, None, inputs.stats.sink_mass[0])  # 2 groups of 4

@@ -153,15 +153,15 @@ def test_what_the_wheel_leaves_out_is_named_when_missing(tmp_path, monkeypatch):
 def test_python_docs_is_a_second_domain_split_by_module():
     """The standard library's docstrings: offline wherever Python runs, dev and evaluation by whole module,
     prose only (no doctest lines), deterministic."""
-    from pruner.core import pydocs
+    from pruner.core import python_docs_text
 
     dev, ev = load_texts(TextSource("python-docs:dev")), load_texts(TextSource("python-docs:evaluation"))
     assert len(dev) >= 50 and len(ev) >= 50 and not set(dev) & set(ev)
     assert sum(len(t.split()) for t in ev) > 40_000  # 256 windows of 128 tokens and more
     assert not any(line.lstrip().startswith(">>>") for t in ev for line in t.splitlines())
     assert load_texts(TextSource("python-docs:evaluation")) == ev
-    kept = pydocs.modules()
+    kept = python_docs_text.modules()
     assert "json" in kept and not any(".test." in f".{name}." for name in kept)
-    assert {pydocs.split_of(n) for n in kept} == {"dev", "evaluation"}
+    assert {python_docs_text.split_of(n) for n in kept} == {"dev", "evaluation"}
     with pytest.raises(ValueError, match="unknown split 'train' of python-docs; valid: dev, evaluation"):
         load_texts(TextSource("python-docs:train"))

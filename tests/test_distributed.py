@@ -76,7 +76,10 @@ def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
     recipe = str(ROOT / "recipes" / "gpt2-shakespeare.yaml")
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)
-    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+
+    def read(run, f):
+        return json.loads((tmp_path / run / f).read_text())
+
     p1, p2 = read("one", "plan.json"), read("two", "plan.json")
     assert p1["heads"] == p2["heads"] and len(p1["entries"]) == len(p2["entries"])
     for a, b in zip(p1["entries"], p2["entries"]):  # same heads, same order; floats to summation order
@@ -100,7 +103,10 @@ def test_prune_layer_by_layer_under_torchrun_writes_the_run_of_one_process(tmp_p
     recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "one")] + quick, 1)
     launch(["-m", "pruner.cli", "prune", recipe, "--out", str(tmp_path / "two")] + quick, 2)
-    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+
+    def read(run, f):
+        return json.loads((tmp_path / run / f).read_text())
+
     assert read("one", "plan.json")["heads"] == read("two", "plan.json")["heads"]
     e1, e2 = read("one", "metrics.json")["evaluation"], read("two", "metrics.json")["evaluation"]
     for key in ("base", "pruned", "delta"):

@@ -33,7 +33,11 @@ def worst_relative(a, b) -> float:
     out = 0.0
     pairs = [(getattr(a, f), getattr(b, f)) for f in ("sink_mass", "entropy_full", "entropy_content", "g", "rest",
                                                        "dormancy", "rows", "content_rows")]
+    assert a.pairs.keys() == b.pairs.keys()
     pairs += [(a.pairs[k], b.pairs[k]) for k in a.pairs]
+    for part in ("residual", "outputs", "folds"):  # captured by both or by neither: none skipped unseen
+        x, y = getattr(a, part), getattr(b, part)
+        assert (x is None) == (y is None) and (x is None or part == "residual" or len(x) == len(y)), part
     if a.residual is not None:
         pairs.append((a.residual, b.residual))
     for x, y in zip(a.outputs or [], b.outputs or []):
@@ -124,7 +128,10 @@ def test_perplexity_block_by_block_equals_the_whole_model(name):
     with surgery.masked(model, heads, comp):
         pruned = window_scores(model, windows, 4)
     lazy = lazy_model(assets.resolve(name))
-    scope = lambda layer: surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)  # noqa: E731
+
+    def scope(layer):
+        return surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)
+
     assert torch.equal(window_scores(lazy.model, windows, 4, onloader=lazy)[0], base[0])
     got = window_scores(lazy.model, windows, 4, onloader=lazy, within=scope)
     assert torch.equal(got[0], pruned[0]) and torch.equal(got[1], pruned[1])
@@ -340,7 +347,10 @@ def test_plan_memory_from_a_config_alone(tmp_path, capsys):
     assert main(["plan-memory", str(tmp_path / "r.yaml")]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
-    gib = lambda text: float(text.split()[0]) * (1 if text.split()[1] == "GiB" else 1 / 1024)  # noqa: E731
+
+    def gib(text):
+        return float(text.split()[0]) * (1 if text.split()[1] == "GiB" else 1 / 1024)
+
     square = 8192 ** 2 * 8 / 2**30  # one (H d_head)^2 float64 matrix
     block = (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) * 2 / 2**30
     through, finished = "calibration: a batch through a block", "calibration: a finished layer's curves"
@@ -401,19 +411,19 @@ def test_float32_moments_keep_the_plan_and_the_refit(onload, tmp_path):
 
 def test_a_layer_by_layer_calibration_that_cannot_fit_names_the_setting_that_does(monkeypatch):
     """Before any compute: device and host against the memory model; the refusal names what would fit."""
-    from pruner.runs import memory_plan, resources
+    from pruner.runs import calibration_memory, resources
 
     lazy = lazy_model(assets.resolve("llama-shakespeare"))
     sizes = resources.Sizes(batch_size=4, length=128, outputs=True, folds=16, local=True)
-    big = memory_plan.memory_plan(lazy.model, sizes, 64, "sequential", "cpu", systems=True)
-    small = memory_plan.memory_plan(lazy.model, replace(sizes, folds=0), 64, "sequential", "cpu", systems=True)
+    big = calibration_memory.memory_plan(lazy.model, sizes, 64, "sequential", "cpu", systems=True)
+    small = calibration_memory.memory_plan(lazy.model, replace(sizes, folds=0), 64, "sequential", "cpu", systems=True)
     outside = next(v for k, v in big.device.parts.items() if k.startswith("weights outside the blocks"))
     free = (big.total + small.total) // 2 - outside  # room without the fold moments only
-    monkeypatch.setattr(memory_plan, "available_memory", lambda device: free)
+    monkeypatch.setattr(calibration_memory, "available_memory", lambda device: free)
     with pytest.raises(resources.ResourceError, match=r"not enough memory for the layer-by-layer calibration: the "
                        r"memory needs about .* more and has .* free; set .*surgery.ridge: a number such as 0.1"):
-        memory_plan.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
-    assert memory_plan.check_sequential(lazy.model, replace(sizes, folds=0), 64, "cpu", True) is not None
+        calibration_memory.check_sequential(lazy.model, sizes, 64, "cpu", systems=True)
+    assert calibration_memory.check_sequential(lazy.model, replace(sizes, folds=0), 64, "cpu", True) is not None
 
 
 def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path):
@@ -453,28 +463,33 @@ def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path
 def test_prune_with_hidden_states_on_disk_and_the_memory_check_choosing_it(tmp_path, monkeypatch):
     """`capture.hidden: disk` writes the run of `memory`; with `auto` the memory check sends them to files only
     where memory cannot hold them and files make it fit (said in a warning), and names the setting otherwise."""
-    from pruner.runs import memory_plan, resources
+    from pruner.runs import calibration_memory, resources
 
     quick = QUICK + ["--set", "capture.onload=sequential", "--set", "surgery.ridge=0.1"]
     recipe = str(ROOT / "recipes" / "llama-shakespeare.yaml")
     assert main(["prune", recipe, "--out", str(tmp_path / "memory"), "--set", "capture.hidden=memory"] + quick) == 0
     assert main(["prune", recipe, "--out", str(tmp_path / "disk"), "--set", "capture.hidden=disk",
                  "--set", f"capture.spill_dir={tmp_path / 'files'}"] + quick) == 0
-    read = lambda run, f: json.loads((tmp_path / run / f).read_text())  # noqa: E731
+
+    def read(run, f):
+        return json.loads((tmp_path / run / f).read_text())
+
     assert read("memory", "plan.json") == read("disk", "plan.json")
     assert read("memory", "metrics.json")["evaluation"] == read("disk", "metrics.json")["evaluation"]
     assert not any((tmp_path / "files").iterdir())
 
     lazy = lazy_model(assets.resolve("llama-shakespeare"))
     sizes = resources.Sizes(batch_size=4, length=128, outputs=True)
-    kept, spilled = (memory_plan.memory_plan(lazy.model, sizes, 4096, "sequential", "cpu", spill=s) for s in (0, 1))
+    kept, spilled = (calibration_memory.memory_plan(lazy.model, sizes, 4096, "sequential", "cpu", spill=s)
+                     for s in (0, 1))
     outside = next(v for k, v in kept.device.parts.items() if k.startswith("weights outside the blocks"))
     d_model = lazy.model.config.hidden_size
     assert kept.total - spilled.total == 4096 * 128 * d_model * 4  # every window's hidden states, float32
-    monkeypatch.setattr(memory_plan, "available_memory", lambda device: (kept.total + spilled.total) // 2 - outside)
-    assert memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
+    free = (kept.total + spilled.total) // 2 - outside
+    monkeypatch.setattr(calibration_memory, "available_memory", lambda device: free)
+    assert calibration_memory.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="auto").spill
     with pytest.raises(resources.ResourceError, match=r"set capture.hidden: disk \(every window's hidden states"):
-        memory_plan.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
+        calibration_memory.check_sequential(lazy.model, sizes, 4096, "cpu", hidden="memory")
 
 
 def test_a_spill_folder_that_cannot_be_made_is_named_before_any_work(tmp_path, capsys):

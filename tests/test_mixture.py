@@ -1,11 +1,12 @@
-"""Calibration mixtures, the held-back slice and the package-docs source (pruner.core.mixture, pruner.core.pkgdocs)."""
+"""Calibration mixtures, the held-back slice and the package-docs source (pruner.core.mixture,
+pruner.core.package_docs_text)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pruner.core import data, mixture, pkgdocs
+from pruner.core import data, mixture, package_docs_text
 from pruner.core.data import DataError, TextSource, load_texts
 
 KING, QUEEN = ["the king " * 200], ["the queen " * 200]
@@ -54,7 +55,10 @@ def test_the_held_back_slice_comes_from_every_source_and_never_from_the_sums(wor
     whole = data.samples(word_tokenizer, texts, "windows", 6, num_samples=20, seed=1)
     kept, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 6, num_samples=20, seed=1, holdout=5)
     assert len(kept) == 15 and len(held) == 5
-    rows = lambda b: {tuple(r) for r in b.input_ids.tolist()}  # noqa: E731
+
+    def rows(b):
+        return {tuple(r) for r in b.input_ids.tolist()}
+
     assert rows(kept) | rows(held) <= rows(whole) and len(rows(kept) | rows(held)) == len(rows(whole))
     king, queen = _ids(word_tokenizer, "king"), _ids(word_tokenizer, "queen")
     kept, held = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8, num_samples=16, holdout=4)
@@ -79,10 +83,10 @@ def test_package_docs_sections_split_by_heading_and_markup_dropped():
     md = ("# proj\n\n[![badge](x)](y)\n<p align=center>\n" + "intro words " * 20 + "\n\n## Install\n\n```\n# not a "
           "heading\npip install proj\n```\n" + "install words " * 20 + "\n")
     rst = "Title\n=====\n\n.. image:: x.png\n   :target: y\n\n" + "rst words " * 20 + "\n\nShort\n-----\n\ntoo few\n"
-    got = pkgdocs.sections(md)
+    got = package_docs_text.sections(md)
     assert [h for h, _ in got] == ["proj", "Install"] and "badge" not in got[0][1] and "<p" not in got[0][1]
     assert "# not a heading" in got[1][1]
-    assert pkgdocs.sections(rst) == [("Title", ("rst words " * 20).strip())]
+    assert package_docs_text.sections(rst) == [("Title", ("rst words " * 20).strip())]
 
 
 @pytest.mark.unit
@@ -93,7 +97,7 @@ def test_package_docs_is_a_third_domain_split_by_section():
     assert len(dev) >= 20 and len(ev) >= 20 and not set(dev) & set(ev)
     assert sum(len(t.split()) for t in ev) > 5_000
     assert load_texts(TextSource("package-docs:evaluation")) == ev
-    assert pkgdocs.versions()["torch"] == torch.__version__
+    assert package_docs_text.versions()["torch"] == torch.__version__
     with pytest.raises(ValueError, match="unknown split 'train' of package-docs; valid: dev, evaluation"):
         load_texts(TextSource("package-docs:train"))
 
@@ -141,9 +145,9 @@ def test_a_mixture_recipe_names_its_sources_and_holds_back_for_auto():
      "invalid recipe: (recipe): auto has a single candidate left (cosine + mean)"),
 ])
 def test_bad_mixture_and_auto_flags_are_one_line_cli_errors(tmp_path, capsys, cli, message):
-    from pruner.cli import main
-
     from pathlib import Path
+
+    from pruner.cli import main
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "gpt2-shakespeare.yaml"
     code = main(["prune", str(recipe), "--out", str(tmp_path / "r"), *cli])

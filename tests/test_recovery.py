@@ -44,7 +44,7 @@ def test_one_paired_pass_gives_each_models_perplexity_and_the_mean_kl_over_the_c
         word_tokenizer, route, monkeypatch):
     from pruner.evaluation import perplexity
     from pruner.evaluation.perplexity import sliding_windows, window_scores
-    from pruner.runs.recovering import scores
+    from pruner.runs.recovery_stage import scores
 
     if route == "head in slices":
         monkeypatch.setattr(perplexity, "LOGIT_BYTES", 4 * 64 * 3)  # 3 positions of a 64-token vocabulary a slice
@@ -206,9 +206,11 @@ def test_a_student_thrown_off_restarts_from_the_pruned_weights_at_a_lower_rate(w
     from pruner.recovery.train import BACKOFF, DRIFT
 
     teacher, student, _ = pair()
-    run = lambda restarts, lr=1e-2: pruner.recover(  # noqa: E731
-        copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
-        **{**QUICK, "lr": lr, "restarts": restarts}).record
+
+    def run(restarts, lr=1e-2):
+        return pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), progress=False,
+                              **{**QUICK, "lr": lr, "restarts": restarts}).record
+
     stuck, restarted = run(0), run(2)
     assert stuck["restarts"] == [] and stuck["kept"] == "pruned"  # 1e-2 throws this student off for good
     history = dict(restarted["validation_history"])
@@ -245,8 +247,10 @@ def test_resume_gives_the_uninterrupted_weights(word_tokenizer, tmp_path, monkey
     monkeypatch.undo()
     resumed = pruner.recover(copy.deepcopy(student), teacher, word_tokenizer, texts(), checkpoint_dir=tmp_path, **opts)
     assert resumed.record["steps_run"] == resumed.record["steps"] - 4
-    for (n, a), (_, b) in zip(whole.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), n  # bit for bit
+    want, got = whole.state_dict(), resumed.model.state_dict()
+    assert list(got) == list(want)
+    for n, a in want.items():
+        assert torch.equal(a, got[n]), n  # bit for bit
 
 
 @pytest.mark.integration

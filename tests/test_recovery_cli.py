@@ -92,14 +92,15 @@ def _with_recipe(run: Path, folder: Path, **sections) -> Path:
 
 def test_a_cached_teacher_read_block_by_block_fills_the_cache_of_the_whole_one(llama_run, tmp_path, capsys,
                                                                             monkeypatch):
-    from pruner.runs import recovering
+    from pruner.runs import recovery_stage
 
     cached = [*SMALL, "--data", "shakespeare:train", "--set", "recovery.teacher=cached"]
     records = {}
     for onload in ("all", "sequential"):
         run = _with_recipe(llama_run, tmp_path / onload, capture={"onload": onload})
         if onload == "sequential":  # the teacher is never loaded whole
-            monkeypatch.setattr(recovering.loading, "load_base", lambda *a, **k: pytest.fail("teacher loaded whole"))
+            monkeypatch.setattr(recovery_stage.loading, "load_base",
+                                lambda *a, **k: pytest.fail("teacher loaded whole"))
         assert main(["recover", str(run), "--out", str(tmp_path / f"rec-{onload}"), *cached]) == 0
         records[onload] = json.loads((tmp_path / f"rec-{onload}" / "metrics.json").read_text())["recovery"]
     a, b = records["all"], records["sequential"]

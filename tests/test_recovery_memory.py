@@ -15,7 +15,7 @@ from pruner.core.runtime import model_bytes
 from pruner.recovery import memory, methods
 from pruner.recovery.data import RecoveryError
 from pruner.recovery.spec import RecoverySpec
-from pruner.runs import recovering, recovery_memory
+from pruner.runs import recovery_memory, recovery_stage
 from pruner.runs.resources import ResourceError
 from tests.test_recovery import QUICK, Killed, pair, texts
 
@@ -25,7 +25,7 @@ from tests.test_recovery import QUICK, Killed, pair, texts
 @pytest.mark.parametrize("method", ["full", "lora", "attention"])
 def test_the_trained_weights_are_the_ones_the_optimizer_gets(family, method):
     _, student, _ = pair(family)
-    counted = memory.trained_weights(student, method, rank=8)
+    counted = sum(memory.trained_tensors(student, method, rank=8))
     model = methods.prepare(copy.deepcopy(student), method, rank=8)
     assert counted == sum(p.numel() for p in methods.trainable(model).values()) > 0
 
@@ -97,23 +97,25 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
     teacher, student, _ = pair()
     spec = RecoverySpec(**{**QUICK, "teacher": "cached", "top_k": 64, "method": "full"})
     ev = sliding_windows(word_tokenizer, texts(8, seed=5), 16)
-    held = recovering.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
-                                     options=recovering.Options(progress=False), texts=texts())
-    devices, real = [], recovering.train
+    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
+                                         options=recovery_stage.Options(progress=False), texts=texts())
+    devices, real = [], recovery_stage.train
 
     def watching(model, targets, *args, **kwargs):
         devices.append(next(let_go.parameters()).device.type)
         return real(model, targets, *args, **kwargs)
-    monkeypatch.setattr(recovering, "train", watching)
+    monkeypatch.setattr(recovery_stage, "train", watching)
     let_go = copy.deepcopy(teacher)
-    freed = recovering.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
-                                      options=recovering.Options(progress=False), texts=texts(),
-                                      reload_teacher=lambda: copy.deepcopy(teacher))
+    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
+                                          options=recovery_stage.Options(progress=False), texts=texts(),
+                                          reload_teacher=lambda: copy.deepcopy(teacher))
     assert devices == ["meta"]  # no teacher weight in memory while the student trained
     assert freed.record["memory_estimate"]["teacher"] == 0 < held.record["memory_estimate"]["teacher"]
     assert freed.record["perplexity"] == held.record["perplexity"]  # the scores after: the teacher read again
-    for (n, a), (_, b) in zip(held.model.state_dict().items(), freed.model.state_dict().items()):
-        assert torch.equal(a, b), n
+    want, got = held.model.state_dict(), freed.model.state_dict()
+    assert list(got) == list(want)
+    for n, a in want.items():
+        assert torch.equal(a, got[n]), n
 
 
 @pytest.mark.integration
@@ -162,8 +164,10 @@ def test_the_prepared_gpu_script_runs_its_check_on_a_cpu_and_predicts_without_we
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "eval.gpu.recovery", *a], cwd=root,  # noqa: E731
-                                    capture_output=True, text=True)
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "eval.gpu.recovery", *a], cwd=root, capture_output=True, text=True)
+
     same = run("--device", "cpu", "--only", "same", "--same-steps", "2", "--out", str(tmp_path / "recovery.json"))
     assert same.returncode == 0 and same.stdout.count("ok  ") == 2, same.stdout + same.stderr[-2000:]
     pred = run("--predict", "--model", "qwen2.5-0.5b")

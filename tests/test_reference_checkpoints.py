@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from eager_reference import eager_stats
 from test_capture import assert_stats_close
 
 from pruner.attention.capture import CaptureConfig, capture_stats
-from pruner.attention.eager import eager_stats
 from pruner.attention.sinks import SinkSpec
 from pruner.checkpoints import loading
 from pruner.core import assets

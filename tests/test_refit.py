@@ -180,7 +180,10 @@ def copy_head(model, family: str, layer: int, src: int, dst: int, value_map: tor
     ad = arch.adapter_for(model)
     block = arch.blocks(model)[layer]
     hd = g.head_dim
-    rows = lambda h: slice(h * hd, (h + 1) * hd)  # noqa: E731
+
+    def rows(h):
+        return slice(h * hd, (h + 1) * hd)
+
     m = torch.eye(hd) if value_map is None else value_map
     with torch.no_grad():
         if ad.qkv_layout == "separate":  # (out, in) Linear weights; GQA: only query heads of one group
@@ -200,7 +203,9 @@ def copy_head(model, family: str, layer: int, src: int, dst: int, value_map: tor
             w, b = arch.get(block, ad.qkv).weight, arch.get(block, ad.qkv).bias
             width = g.n_heads * hd
             for part, mm in ((0, torch.eye(hd)), (1, torch.eye(hd)), (2, m)):
-                cs = lambda h: slice(part * width + h * hd, part * width + (h + 1) * hd)  # noqa: E731
+                def cs(h):
+                    return slice(part * width + h * hd, part * width + (h + 1) * hd)
+
                 w[:, cs(dst)] = w[:, cs(src)] @ mm.t()
                 b[cs(dst)] = mm @ b[cs(src)]
 
@@ -315,7 +320,10 @@ def test_compensation_file_round_trips_and_reads_old_bias_only_files(tmp_path):
 def test_sequential_refit_first_layer_equals_one_shot_and_later_layers_see_the_pruned_model():
     model, batch = tiny_model("gpt2"), pad(ragged_batch(seed=2, n=10), 0)
     heads = {0: [1, 2], 1: [0]}
-    collect = lambda: outputs_of(model, batch, "gpt2")  # noqa: E731
+
+    def collect():
+        return outputs_of(model, batch, "gpt2")
+
     calls = []
     seq = refit_sequential(model, heads, lambda: calls.append(1) or collect())
     one = compensate(model, heads, collect(), "refit")

@@ -448,7 +448,7 @@ def test_half_precision_underflow_is_handled(env, tmp_path, capsys):
 
     plan = json.loads((out / "plan.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
-    assert all(torch.isfinite(torch.tensor(e["score"])) for e in plan["entries"])
+    assert plan["entries"] and all(torch.isfinite(torch.tensor(e["score"])) for e in plan["entries"])
     assert torch.isfinite(torch.tensor([metrics["evaluation"]["base"], metrics["evaluation"]["pruned"]])).all()
 
 

@@ -60,7 +60,10 @@ def assert_identical(a, b) -> None:
 @pytest.mark.unit
 def test_plain_round_trip_of_layer_stats(tmp_path):
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.rand(*s, generator=g, dtype=torch.float64)  # noqa: E731
+
+    def r(*s):
+        return torch.rand(*s, generator=g, dtype=torch.float64)
+
     om = moments.OutputMoments(r(()), r(2, 3), r(2, 3), r(2, 3), r(2, 3, 3), r(2, 3, 3), r(2, 3, 3), r(6, 6))
     ls = sums.LayerStats(*(r(()) if i < 2 else r(2) for i in range(9)), pairs={"cosine/full": r(2, 2)}, outputs=om)
     ck = resume.Checkpoints(tmp_path, every_batches=1)

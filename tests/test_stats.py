@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from pruner.attention import composition as cp
-from pruner.attention import kernel as st
-from pruner.attention import pairs, sums
+from pruner.attention import kernel, pairs, sums
 
 pytestmark = pytest.mark.unit
 
@@ -35,7 +34,7 @@ def test_chunk_stats_match_naive_rows(sink_shift):
     """-100: the first sink's weight underflows (e^-100), so the log-normaliser falls back to the row maxima."""
     z, sink, valid, rows = random_chunk(sink_shift=sink_shift)
     B, H, T, _ = z.shape
-    s = sums.finalize([st.chunk_stats(z, sink, valid, rows, metrics=("cosine", "js", "tv", "hellinger"))])
+    s = sums.finalize([kernel.chunk_stats(z, sink, valid, rows, metrics=("cosine", "js", "tv", "hellinger"))])
     n, nc = 0, 0
     acc = {k: torch.zeros(H, dtype=torch.float64) for k in ("s", "hf", "hc")}
     pair = {k: torch.zeros(H, H, dtype=torch.float64) for k in ("cosine/full", "js/content", "tv/full",
@@ -73,14 +72,17 @@ def test_chunk_stats_match_naive_rows(sink_shift):
 
 def test_head_level_entropy_identity_holds_for_means():
     z, sink, valid, rows = random_chunk(seed=3)
-    s = sums.finalize([st.chunk_stats(z, sink, valid, rows)])
+    s = sums.finalize([kernel.chunk_stats(z, sink, valid, rows)])
     torch.testing.assert_close(s.g + s.rest * s.h_content_weighted, s.entropy_full, rtol=1e-12, atol=1e-12)
 
 
 def test_aitchison_pairs_from_scores():
+    """`pairs.row_pairs` on the content rows of a chunk: the Aitchison distance of two heads' scores."""
     z, sink, valid, rows = random_chunk(seed=4)
-    out = pairs.pair_matrices(z, torch.softmax(z.masked_fill(~valid, -math.inf), -1),
-                           sink[:, None, None, :], valid, ("aitchison",), cp.CONTENT)["aitchison"]
+    a = torch.softmax(z.masked_fill(~valid, -math.inf), -1)  # (B, H, c, K)
+    p, parts = cp.rows_for(a, sink[:, None, None, :], valid, cp.CONTENT)
+    p = torch.where(parts, p, torch.zeros((), dtype=p.dtype))
+    out = pairs.row_pairs(p, parts, z, ("aitchison",))["aitchison"]  # (B, c, H, H)
     b, q = 0, 6  # row with several content keys
     v, parts = valid[b, 0, q], cp.content_mask(sink[b], valid[b, 0, q])
     d01 = cp.aitchison_sq_log(z[b, 0, q], z[b, 1, q], parts).sqrt()
@@ -91,4 +93,4 @@ def test_aitchison_pairs_from_scores():
 def test_merge_refuses_different_metrics():
     z, sink, valid, rows = random_chunk()
     with pytest.raises(ValueError, match="different pairwise metrics"):
-        st.chunk_stats(z, sink, valid, rows, ("cosine",)) + st.chunk_stats(z, sink, valid, rows, ("js",))
+        kernel.chunk_stats(z, sink, valid, rows, ("cosine",)) + kernel.chunk_stats(z, sink, valid, rows, ("js",))

@@ -56,7 +56,10 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     res = lm_evaluate(lm=lm, task_dict=loaded, bootstrap_iters=0, log_samples=True)
     samples = sorted(res["samples"]["tiny_task"], key=lambda s: s["doc_id"])
     assert len(samples) == len(DOCS)
-    enc = lambda s: word_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+
+    def enc(s):
+        return word_tokenizer(s, add_special_tokens=False)["input_ids"]
+
     rows, labels, harness_ll = [], [], []
     for doc, s in zip(DOCS, samples):
         assert [a[1] for a in s["arguments"]] == [" " + c for c in doc["choices"]]
@@ -73,17 +76,6 @@ def test_harness_loglikelihoods_equal_pruner_nll(tmp_path, word_tokenizer, famil
     nll, count = perplexity.window_nll(model, perplexity.EvalWindows(ids, mask, lab), batch_size=3)
     assert count.tolist() == [len(enc(c)) for s in samples for _, c in s["arguments"]]
     assert torch.allclose(-nll, torch.tensor(harness_ll, dtype=torch.float64), atol=1e-4)
-
-
-@pytest.mark.integration
-def test_task_yamls_naming_the_old_module_path_still_load(tmp_path):
-    """Task YAMLs written before the subpackages name `pruner.tasks.jsonl_dataset`: the same documents load."""
-    docs = {}
-    for function in ("pruner.tasks.jsonl_dataset", "pruner.evaluation.tasks.jsonl_dataset"):
-        folder = write_task(tmp_path / function, function=function)
-        loaded = tasks.load_tasks(tasks.TaskSpec(("tiny_task",), (str(folder),)))
-        docs[function] = [dict(d) for d in loaded["tasks"]["tiny_task"].eval_docs]
-    assert docs["pruner.tasks.jsonl_dataset"] == docs["pruner.evaluation.tasks.jsonl_dataset"] == DOCS
 
 
 @pytest.mark.unit

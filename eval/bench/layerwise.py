@@ -16,7 +16,7 @@ largest difference of every statistic (float64 summation order, and float32 prod
 Each case runs in a fresh process: `calibrate` reads the checkpoint lazily (`pruner.checkpoints.lazy`), and
 the same blocks are also run once without the capture (the plain layer-by-layer forward of the same windows,
 SDPA), so the calibration's cost is the ratio of the two. Memory is the process's peak resident set (VmHWM)
-against the model's size on disk and against the memory model (`pruner.runs.memory_plan`, sequential, CPU:
+against the model's size on disk and against the memory model (`pruner.runs.calibration_memory`, sequential, CPU:
 device and host one memory). `--ridge` fixed (default 0.1) keeps the fold moments of ridge auto out, as the
 memory model says they would not fit at 70B. Writes eval/results/bench/layerwise/<case>.json
 (`8b`, `8b-2` with `--layers 2`, `1b-2proc` with `--procs 2`).
@@ -105,7 +105,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     from pruner.core.layerwise import first_block_calls, run_blocks
     from pruner.pruning.layerwise import calibrate_layerwise
     from pruner.pruning.per_layer import CurveRequest
-    from pruner.runs import memory_plan
+    from pruner.runs import calibration_memory
     from pruner.runs.resources import Sizes
 
     torch.set_num_threads(threads)
@@ -127,7 +127,7 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
                         ridge=ridge)
     cal_s = time.perf_counter() - t0
     sizes = Sizes(batch_size=min(4, windows), length=length, pair_metrics=1, outputs=True)
-    plan = memory_plan.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
+    plan = calibration_memory.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
     disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return {"layers": g.n_layers, "windows": windows, "length": length, "threads": threads,
             "model_bytes_on_disk": disk, "resident_weights": _materialised(lazy.model), "load_s": load_s,

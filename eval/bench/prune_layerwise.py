@@ -19,7 +19,7 @@ selection curves (refit-energy, mean compensation, ridge 0.1), for the wall time
 Memory is the child's anonymous resident memory (RssAnon, sampled every 10 ms from /proc: the memory-mapped
 weights are page cache, which the kernel can drop) and its peak resident set (VmHWM, page cache included),
 against the model's size on disk and against `pruner plan-memory`'s prediction of the whole run
-(`pruner.runs.memory_run.run_plan`), above the RssAnon of the prepared session (a separate process that
+(`pruner.runs.prune_memory.run_plan`), above the RssAnon of the prepared session (a separate process that
 imports what `prune` imports, reads the tokenizer, the text and the model's skeleton, and computes nothing:
 `session_anon`). Writes eval/results/bench/prune_layerwise/<case>.json (MODEL-LAYERS-RECIPE[-CODE][-LABEL],
 e.g. `8b-32-lean`, `8b-4-today-before` with `--code /tmp/before`, `8b-32-lean-threshold16MiB` with
@@ -94,14 +94,14 @@ def predicted(recipe: Path) -> dict:
     memory-mapped weights and refit columns left out, as RssAnon leaves them out) and each stage's."""
     from pruner.core import arch
     from pruner.pruning.selection import check_target
-    from pruner.runs import memory_run
+    from pruner.runs import prune_memory
     from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
 
     r = load_recipe(recipe)
-    model = memory_run.recipe_model(r)
+    model = prune_memory.recipe_model(r)
     quota = check_target(arch.geometry(model), selection_config(r, model))[1]
-    plan = memory_run.run_plan(r, model, quota)
+    plan = prune_memory.run_plan(r, model, quota)
     return {"peak": plan.anonymous, "stage": plan.anonymous_stage.name,
             "stages": {s.name: plan.of(s, anonymous=True) for s in plan.stages}}
 

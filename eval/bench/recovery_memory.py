@@ -56,7 +56,7 @@ def case(spec: str) -> dict:
     from pruner.core import data
     from pruner.recovery import memory
     from pruner.recovery.spec import RecoverySpec
-    from pruner.runs import recovering, recovery_memory
+    from pruner.runs import recovery_memory, recovery_stage
 
     name, method, kind, B, T, *steps = spec.split(":")
     B, T, steps = int(B), int(T), int(steps[0]) if steps else 16
@@ -72,8 +72,8 @@ def case(spec: str) -> dict:
     held = memory.held_now(student, teacher)
     keep = copy.deepcopy(teacher) if released else None  # the teacher read again after training
     with PeakGrowth() as peak:
-        recovering.recover_models(student, teacher, tok, rspec, texts=texts,
-                                  options=recovering.Options(progress=False),
+        recovery_stage.recover_models(student, teacher, tok, rspec, texts=texts,
+                                  options=recovery_stage.Options(progress=False),
                                   reload_teacher=(lambda: keep) if released else None)
     measured = peak.bytes
     return {"case": spec, "model": name, "method": method, "teacher": kind, "batch_size": B, "length": T,

@@ -6,7 +6,7 @@ A layer of the Llama-3-8B width by default (H d_head = d_model = 4096: a square 
 moments, a bfloat16 output projection, every second channel pruned. Measures the process's anonymous memory
 (RssAnon, sampled every 2 ms) above what the inputs already hold, while `refit.choose_ridge` (ridge auto over
 the folds) and then `refit.second_moment` + `refit.fit_layer` run, and prints both next to
-`pruner.runs.memory_plan.REFIT_SQUARES`, the squares the memory model counts for them. Writes nothing.
+`pruner.runs.calibration_memory.REFIT_SQUARES`, the squares the memory model counts for them. Writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from pruner.core.proc_status import Sampler, status
 from pruner.pruning import refit
-from pruner.runs.memory_plan import REFIT_SQUARES
+from pruner.runs.calibration_memory import REFIT_SQUARES
 
 
 def peak_above(fn) -> int:

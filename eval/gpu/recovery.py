@@ -38,11 +38,11 @@ CASES = ("full:resident", "full:cached", "lora:resident", "lora:cached")
 
 def recover(student, teacher, spec, reload=None):
     from pruner.checkpoints import loading
-    from pruner.runs import recovering
+    from pruner.runs import recovery_stage
 
     tok = loading.load_tokenizer("llama-shakespeare")  # ids below every vocabulary here
-    return recovering.recover_models(student, teacher, tok, spec, texts=plays("train"),
-                                     options=recovering.Options(progress=False), reload_teacher=reload).record
+    return recovery_stage.recover_models(student, teacher, tok, spec, texts=plays("train"),
+                                         options=recovery_stage.Options(progress=False), reload_teacher=reload).record
 
 
 def same_as_cpu(device: str, steps: int = 16) -> list[str]:

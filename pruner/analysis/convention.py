@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pruner.analysis import flips as audit
+from pruner.analysis import flips
 from pruner.attention import composition as cp
 from pruner.attention.sums import HeadStats
 
@@ -97,16 +97,19 @@ def distance(m: Tensor, similarity: bool) -> Tensor:
 
 def default_threshold(full: Tensor) -> float:
     """The median FULL value over the head pairs (i < j) of a model-wide matrix."""
-    return float(audit.upper_pairs(full).double().median())
+    return float(flips.upper_pairs(full).double().median())
 
 
 def flip_rates(full: Tensor, content: Tensor, similarity: bool, threshold: float) -> dict:
     """The three flip rates between two (head, head) matrices of one metric, and the verdict shares."""
-    share = lambda m: float(audit.redundant_pairs(m, threshold, similarity).double().mean())  # noqa: E731
+
+    def share(m):
+        return float(flips.redundant_pairs(m, threshold, similarity).double().mean())
+
     return {
-        "nn_flip_rate": float(audit.nn_flip_rate(full[None], content[None], similarity)[0]),
-        "pair_order_flip_rate": float(audit.pair_order_flip_rate(full, content)),
-        "verdict_flip_rate": float(audit.verdict_flip_rate(full, content, threshold, similarity)),
+        "nn_flip_rate": float(flips.nn_flip_rate(full[None], content[None], similarity)[0]),
+        "pair_order_flip_rate": float(flips.pair_order_flip_rate(full, content)),
+        "verdict_flip_rate": float(flips.verdict_flip_rate(full, content, threshold, similarity)),
         "redundant_share_full": share(full),
         "redundant_share_content": share(content),
     }
@@ -124,7 +127,10 @@ def audit_metric(full: Tensor, content: Tensor, n_layers: int, similarity: bool,
     if threshold is None:
         threshold, rule = default_threshold(full), "median FULL value over all head pairs of the model"
     H = full.shape[-1] // n_layers
-    block = lambda m, i: m[i * H:(i + 1) * H, i * H:(i + 1) * H]  # noqa: E731
+
+    def block(m, i):
+        return m[i * H:(i + 1) * H, i * H:(i + 1) * H]
+
     layers = [flip_rates(block(full, i), block(content, i), similarity, threshold) for i in range(n_layers)]
     return {
         "similarity": similarity, "threshold": threshold, "threshold_rule": rule,
@@ -230,7 +236,10 @@ def cluster_metric(full: Tensor, content: Tensor, sink_mass: Tensor, similarity:
 
     out = {conv: cluster_convention(distance(m, similarity), sink_mass, k, config.linkage, config.seed)
            for conv, m in ((cp.FULL, full), (cp.CONTENT, content))}
-    flat = lambda conv: np.asarray(out[conv]["labels"]).flatten()  # noqa: E731
+
+    def flat(conv):
+        return np.asarray(out[conv]["labels"]).flatten()
+
     out["ari"] = float(adjusted_rand_score(flat(cp.FULL), flat(cp.CONTENT)))
     out["distance"] = "1 - cosine" if similarity else "as is"
     return out
@@ -285,7 +294,10 @@ def entropy_summary(stats: HeadStats) -> dict:
     from scipy.stats import spearmanr
 
     s = stats.sink_mass.flatten().numpy()
-    rho = lambda x: _num(spearmanr(x.flatten().numpy(), s).statistic) if np.ptp(s) > 0 else None  # noqa: E731
+
+    def rho(x):
+        return _num(spearmanr(x.flatten().numpy(), s).statistic) if np.ptp(s) > 0 else None
+
     return {"mean_full": float(stats.entropy_full.mean()), "mean_content": float(stats.entropy_content.mean()),
             "full_vs_sink_mass_spearman": rho(stats.entropy_full),
             "content_vs_sink_mass_spearman": rho(stats.entropy_content)}

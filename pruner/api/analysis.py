@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner.api.calls import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
+from pruner.api.arguments import is_texts, model_and_tokenizer, model_name, same_tokenizer, texts_of
 from pruner.core import arch, distributed, environment, outputs, resume, runtime
 from pruner.runs import provenance, resources
 from pruner.runs.analyze_spec import AnalyzeSpec
@@ -122,7 +122,7 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     """
     import dataclasses
 
-    from pruner.analysis import convention as analysis
+    from pruner.analysis import convention
     from pruner.attention.capture import CaptureConfig, capture_stats
     from pruner.core.version import __version__
 
@@ -139,14 +139,17 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
         reference, ref_tok, ref_name = model_and_tokenizer(compare_to, tokenizer if not isinstance(
             compare_to, (str, Path)) else None, given.trust_remote_code)
         same_tokenizer(tokenizer, ref_tok, (name, ref_name))
-        shape = lambda m: (arch.geometry(m).n_layers, arch.geometry(m).n_heads)  # noqa: E731
+
+        def shape(m):
+            return (arch.geometry(m).n_layers, arch.geometry(m).n_heads)
+
         if shape(model) != shape(reference):
             raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
                              f"{ref_name} {shape(reference)}")
     model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
         model, tokenizer, data, across_layers=True, progress=progress, checkpoints=checkpoints, **options)
-    config = analysis.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
-                                     clusters=opts.clusters, seed=opts.seed)
+    config = convention.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
+                                       clusters=opts.clusters, seed=opts.seed)
     res = {"pruner_version": __version__, "model": name, "compare_to": ref_name,
            "n_layers": int(stats.sink_mass.shape[0]), "n_heads": int(stats.sink_mass.shape[1]),
            "metrics": list(config.metrics),
@@ -155,15 +158,15 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
                     "unit": unit, "samples": len(batch), "max_length": opts.max_length, "seed": opts.seed,
                     "query_rows": int(stats.rows[0]), "content_rows": int(stats.content_rows[0]),
                     "excluded_rows": int(stats.excluded_rows[0])}}
-    res.update(analysis.analyze(stats, config))
+    res.update(convention.analyze(stats, config))
     ref_stats = None
     if reference is not None:
         ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
                                                                                   metrics=()),
                                   batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints,
                                   name="reference")
-        res["entropy_attribution"] = {"reference": ref_name, **analysis.entropy_attribution(ref_stats, stats),
-                                      "reference_heads": analysis.head_tables(ref_stats)}
+        res["entropy_attribution"] = {"reference": ref_name, **convention.entropy_attribution(ref_stats, stats),
+                                      "reference_heads": convention.head_tables(ref_stats)}
     return Analysis(res, stats, ref_stats, prov)
 
 

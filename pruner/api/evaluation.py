@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pruner.api.calls import IN_MEMORY, model_name, resolve_call
+from pruner.api.arguments import IN_MEMORY, model_name, resolve_call
 from pruner.checkpoints import loading
 from pruner.core import runtime
 from pruner.evaluation import accuracy
 from pruner.evaluation.downstream import Downstream
-from pruner.runs import context, export, provenance
-from pruner.runs import folders as runs
+from pruner.runs import context, export, folders, provenance
 
 
 @dataclass
@@ -56,7 +55,7 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     from pruner.evaluation.perplexity import paired_delta, perplexity, window_scores
 
     if isinstance(model, (str, Path)) and (Path(model) / "plan.json").exists():
-        run = runs.load_run(Path(model))
+        run = folders.load_run(Path(model))
         provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
         recipe = recipe if recipe is not None else run.recipe
         compact = export.recovered(run) and run.metrics["surgery"] == "remove"  # no dense form of those weights
@@ -70,8 +69,10 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     tok = call.tokenizer or loading.load_tokenizer(call.recipe.model.path)
     causal = runtime.attends_causally(model)
     ev = call.recipe.evaluation
-    tasks_for = lambda m: Downstream(m, tok, tasks.spec_from_recipe(ev), causal,  # noqa: E731
-                                            n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
+
+    def tasks_for(m):
+        return Downstream(m, tok, tasks.spec_from_recipe(ev), causal, n_boot=max(ev.bootstrap, 1)) if ev.tasks else None
+
     tasks_of = tasks_for(model)  # unknown tasks, a missing extra, an unreachable dataset: before any compute
     windows = context.evaluation_windows(call.recipe, model, tok, causal, call.evaluation_texts)
     nll, count, _ = window_scores(model, windows, ev.batch_size, progress=progress, causal=causal)
@@ -115,7 +116,7 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
     out = Path(out) if out is not None else run_dir / f"export-{format}"
     if push_to_hub:
         export.check_repo_id(push_to_hub)  # a malformed repo id fails before anything is read
-    if runs.load_run(run_dir).recipe.model.path == IN_MEMORY:
+    if folders.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
     return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,

@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner.api.calls import Call, check_choices, resolve_call, sparsity
+from pruner.api.arguments import Call, check_choices, resolve_call, sparsity
 from pruner.core import arch, outputs
 from pruner.pruning import surgery
 from pruner.pruning.selection import Plan
-from pruner.runs import autochoice, comparison, compensating, pipeline, provenance, recovering, report
-from pruner.runs import folders as runs
+from pruner.runs import autochoice, comparison, compensating, folders, pipeline, provenance, recovery_stage, report
 from pruner.runs.recipe import Recipe
 from pruner.runs.recipe_io import validate_section
 
@@ -72,7 +71,7 @@ class Result:
         """Write the run folder `pruner prune` writes (model/, plan.json, metrics.json, recipe.yaml, report.md,
         provenance.json)."""
         with outputs.atomic_dir(Path(folder), overwrite) as tmp:
-            runs.save_run(self, tmp)
+            folders.save_run(self, tmp)
         return Path(folder)
 
     def __repr__(self) -> str:
@@ -103,7 +102,7 @@ def prune(model=None, tokenizer=None, data=None, *, recipe=None, eval_data=None,
 
 def _prune(call: Call, progress: bool, checkpoint_dir=None) -> Result:
     if call.recipe.recovery.enabled:  # budget, overlap, cache disk: refused before any compute
-        recovering.check(call.recipe.recovery, call.recipe.evaluation, checkpoint_dir)
+        recovery_stage.check(call.recipe.recovery, call.recipe.evaluation, checkpoint_dir)
     prov = call.provenance()
     checkpoints = call.checkpoints(checkpoint_dir, "prune", {}, prov)
     session = call.session(progress, checkpoints=checkpoints, whole_model=bool(call.recipe.evaluation.tasks))

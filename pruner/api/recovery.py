@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pruner.api.calls import is_texts, texts_of
+from pruner.api.arguments import is_texts, texts_of
 from pruner.checkpoints import loading
 from pruner.core import resume
 from pruner.evaluation.perplexity import sliding_windows
 from pruner.recovery import methods
 from pruner.recovery.spec import GENERATED
 from pruner.recovery.train import Options
-from pruner.runs import recovering
+from pruner.runs import recovery_stage
 from pruner.runs.recipe_io import validate_section
 
 
@@ -70,7 +70,7 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
         windows = sliding_windows(tokenizer, ev, 128, max_windows=64)
     checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
         Path(checkpoint_dir), resume.fingerprint("recover", spec.model_dump(mode="json"), {}, {}), None, None)
-    done = recovering.recover_models(student.float(), teacher, tokenizer, spec, evaluation=windows,
-                                     options=Options(checkpoints, methods.zero_heads(student), progress), texts=texts,
-                                     reload_teacher=None if named is None else lambda: _model(named))
+    done = recovery_stage.recover_models(student.float(), teacher, tokenizer, spec, evaluation=windows,
+                                         options=Options(checkpoints, methods.zero_heads(student), progress),
+                                         texts=texts, reload_teacher=None if named is None else lambda: _model(named))
     return Recovery(done.model, done.record)

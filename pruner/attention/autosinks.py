@@ -22,7 +22,10 @@ def auto_sink_spec(received: list, eps: float) -> SinkSpec:
                                    count[mask2d.bool()].tolist()):
                     acc = table.setdefault(k, [0.0, 0.0])
                     acc[0], acc[1] = acc[0] + r, acc[1] + c
-    pick = lambda t: tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > eps))  # noqa: E731
+
+    def pick(t):
+        return tuple(sorted(k for k, (r, c) in t.items() if c > 0 and r / c > eps))
+
     positions, ids = pick(by_pos), pick(by_id)
     if not positions and not ids:
         raise ValueError(f"no key receives more than eps={eps} of the attention on average: "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruner.attention import kernel as st
+from pruner.attention import kernel
 
 
 def valid_keys(mask: torch.Tensor | None, attention_mask_2d: torch.Tensor, q0: int, q1: int,
@@ -45,13 +45,15 @@ class ForwardBatch:
         """mask2d, sink, rows on `device` (device_map: each layer's own)."""
         return tuple(x.to(device) for x in (self.mask2d, self.sink, self.rows))
 
-    def layer_keys(self, mask: torch.Tensor | None, chunk: int, causal: bool, device) -> st.LayerKeys:
+    def layer_keys(self, mask: torch.Tensor | None, chunk: int, causal: bool, device) -> kernel.LayerKeys:
         """What each chunk of query rows sees, built once per batch: every layer has the same chunks and
         receives the same mask object (within one forward pass its storage identifies it)."""
         key = (chunk, causal, None if mask is None else (mask.data_ptr(), tuple(mask.shape)), str(device))
         if key not in self.layers:
             mask2d, sink, rows = self.on(device)
-            valid_of = lambda q0, q1, k1: valid_keys(None if mask is None else mask[..., :k1],  # noqa: E731
-                                                     mask2d[:, :k1], q0, q1, causal)
-            self.layers[key] = st.layer_keys(valid_of, mask2d.shape[1], chunk, causal, sink, rows)
+
+            def valid_of(q0, q1, k1):
+                return valid_keys(None if mask is None else mask[..., :k1], mask2d[:, :k1], q0, q1, causal)
+
+            self.layers[key] = kernel.layer_keys(valid_of, mask2d.shape[1], chunk, causal, sink, rows)
         return self.layers[key]

@@ -251,7 +251,10 @@ def js_divergence(p: Tensor, q: Tensor, mask: Tensor) -> Tensor:
     """Jensen-Shannon divergence (nats, in [0, log 2]). (...,)"""
     p, q = _f64(p), _f64(q)
     m = (p + q) / 2
-    kl = lambda x: _masked_sum(torch.xlogy(x, x) - torch.xlogy(x, m), mask)  # noqa: E731
+
+    def kl(x):
+        return _masked_sum(torch.xlogy(x, x) - torch.xlogy(x, m), mask)
+
     return ((kl(p) + kl(q)) / 2).clamp_min(0)
 
 

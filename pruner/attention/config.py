@@ -1,7 +1,7 @@
 """What a capture accumulates and how finely it chunks the queries: `CaptureConfig`, validated on construction.
 
-Kept apart from the capture itself so that what a run reads (`pruner.runs.reads`) and the memory model can decide
-a configuration without the attention function that executes it.
+Kept apart from the capture itself so that what a run reads (`pruner.runs.calibration_needs`) and the memory model
+can decide a configuration without the attention function that executes it.
 """
 
 from __future__ import annotations

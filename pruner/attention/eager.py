@@ -1,15 +1,13 @@
-"""The naive reference path: eager attention maps with `output_attentions=True`.
+"""The naive path: eager attention maps with `output_attentions=True`, for quick looks at small models.
 
 It materialises layers x heads x T x T, which is exactly what pruner's streaming
-capture avoids; it is kept because it is the obvious, trustworthy computation
-that faster paths are tested against, and for quick looks at small models.
+capture avoids; the tests hold the capture against the same maps (tests/eager_reference.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pruner.attention import sums
 from pruner.core.data import TokenBatch
 from pruner.core.runtime import forward
 
@@ -60,38 +58,3 @@ def format_table(table: torch.Tensor, fmt: str = "{:.2f}") -> str:
     for layer, row in enumerate(table.tolist()):
         lines.append(f"{layer:5d} | " + " ".join(fmt.format(v).rjust(4) for v in row))
     return "\n".join(lines)
-
-
-@torch.no_grad()
-def eager_stats(model, batch: TokenBatch, sinks, tokenizer=None, metrics: tuple[str, ...] = ("cosine", "js"),
-                batch_size: int = 8, dormant_threshold: float = 0.9):
-    """The statistics of `pruner.attention.capture`, computed from stored eager maps (the reference path).
-
-    The scores are taken as log(a): softmax(log a) = a, so `chunk_stats` sees the
-    very rows the eager model produced, in one chunk of all T queries.
-    """
-    from pruner.attention import kernel as st
-    from pruner.attention.sinks import sink_mask
-    from pruner.core.runtime import attends_causally
-
-    impl = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    causal = attends_causally(model)
-    layers: list = []
-    try:
-        for b in batch.batches(batch_size):
-            maps = forward(model, b.input_ids, b.attention_mask,
-                           output_attentions=True).attentions  # layer x (B, H, T, T)
-            sink = sink_mask(b.input_ids, b.attention_mask, sinks, tokenizer)
-            rows = b.attention_mask.bool() & ~sink
-            T = b.input_ids.shape[1]
-            valid = b.attention_mask.bool()[:, None, None, :].expand(-1, 1, T, -1)
-            if causal:
-                valid = valid & torch.ones(T, T, dtype=torch.bool).tril()
-            for i, a in enumerate(maps):
-                z = torch.log(a.double()).masked_fill(~valid, 0.0)
-                part = st.chunk_stats(z, sink, valid, rows, metrics, dormant_threshold)
-                layers.append(part) if len(layers) <= i else layers.__setitem__(i, layers[i] + part)
-    finally:
-        model.set_attn_implementation(impl)
-    return sums.finalize(layers)

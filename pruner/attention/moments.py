@@ -195,7 +195,10 @@ def _channels(xc: Tensor, u: Tensor, r: Tensor | None, u_ref: tuple[Tensor, Tens
     if r is not None:
         uc.mul_(r.unsqueeze(-1))
     wc = xc - uc
-    per_head = lambda y: torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # noqa: E731  (H, d_head, d_head)
+
+    def per_head(y):
+        return torch.bmm(y.permute(1, 2, 0), y.transpose(0, 1))  # (H, d_head, d_head)
+
     return uncentre(per_head(uc), *u_ref, n), uncentre(per_head(wc), *w_ref, n)
 
 

@@ -107,17 +107,6 @@ def _entropy(p: Tensor) -> Tensor:
     return -torch.xlogy(p, p).sum(-1)
 
 
-def pair_matrices(z: Tensor, a: Tensor, sink: Tensor, valid: Tensor, metrics: tuple[str, ...],
-                  convention: str) -> dict[str, Tensor]:
-    """Per-row head x head metrics under one convention. Each (B, c, H, H).
-
-    z, a: (B, H, c, K) scores and weights; sink, valid: broadcastable (B, 1, c|1, K).
-    """
-    p, parts = cp.rows_for(a, sink, valid, convention)
-    p = torch.where(parts, p, torch.zeros((), dtype=p.dtype))  # (B, H, c, K)
-    return row_pairs(p, parts, z, metrics)
-
-
 def row_pairs(p: Tensor, parts: Tensor, z: Tensor, metrics: tuple[str, ...],
            h: Tensor | None = None) -> dict[str, Tensor]:
     """The metrics between heads' rows p (B, H, c, K), zero off `parts`; h: their entropies if known."""

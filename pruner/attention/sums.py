@@ -55,7 +55,10 @@ class LayerStats:
             raise ValueError("cannot merge statistics with and without output moments (or folds)")
         skip = ("pairs", "outputs", "folds")
         kw = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name not in skip}
-        add = lambda a, b: None if a is None else a + b  # noqa: E731
+
+        def add(a, b):
+            return None if a is None else a + b
+
         return LayerStats(**kw, pairs={k: v + other.pairs[k] for k, v in self.pairs.items()},
                           outputs=add(self.outputs, other.outputs), folds=add(self.folds, other.folds))
 
@@ -107,7 +110,10 @@ class LayerStats:
         skip = ("pairs", "outputs", "folds")
         kw = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)
               if f.name not in skip}
-        move = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+
+        def move(x):
+            return None if x is None else x.to(device, non_blocking=non_blocking)
+
         return LayerStats(**kw, pairs={k: v.to(device, non_blocking=non_blocking) for k, v in self.pairs.items()},
                           outputs=move(self.outputs), folds=move(self.folds))
 
@@ -135,8 +141,13 @@ class HeadStats:
     def layer(self, index: int) -> "HeadStats":
         """Layer `index` alone, as a one-layer HeadStats (every per-layer field sliced, not copied)."""
         cut = slice(index, index + 1)
-        per = lambda x: None if x is None else x[cut]  # noqa: E731
-        one = lambda xs: None if xs is None else [xs[index]]  # noqa: E731
+
+        def per(x):
+            return None if x is None else x[cut]
+
+        def one(xs):
+            return None if xs is None else [xs[index]]
+
         return HeadStats(
             sink_mass=self.sink_mass[cut], entropy_full=self.entropy_full[cut],
             entropy_content=self.entropy_content[cut], dormancy=self.dormancy[cut], g=self.g[cut],
@@ -154,14 +165,20 @@ def finalize(layers: list[LayerStats]) -> HeadStats:
     if bad:
         raise ValueError(f"attention statistics of layer {bad[0]} are NaN/inf: the model produced non-finite "
                          "attention logits (half-precision overflow? load it with model.dtype: float32)")
-    st = lambda name: torch.stack([getattr(s, name) for s in layers])  # noqa: E731
+
+    def st(name):
+        return torch.stack([getattr(s, name) for s in layers])
+
     rows, crows = st("rows"), st("content_rows")
     safe_c = crows.clamp_min(1)
     pairs = {}
     for key in layers[0].pairs:
         denom = rows if key.endswith(cp.FULL) else safe_c
         pairs[key] = torch.stack([s.pairs[key] for s in layers]) / denom[:, None, None]
-    per_head = lambda name, d: st(name) / d[:, None]  # noqa: E731
+
+    def per_head(name, d):
+        return st(name) / d[:, None]
+
     return HeadStats(
         sink_mass=per_head("sink_mass", rows), entropy_full=per_head("entropy_full", rows),
         entropy_content=per_head("entropy_content", safe_c), dormancy=per_head("dormant", rows),
@@ -184,8 +201,13 @@ def unstack_layers(stacked: HeadStats, n_layers: int) -> HeadStats:
     if stacked.sink_mass.shape[0] != 1 or n % n_layers:
         raise ValueError(f"expected one stacked layer of layer * head heads, got {tuple(stacked.sink_mass.shape)}")
     H = n // n_layers
-    per_head = lambda x: x.reshape(n_layers, H)  # noqa: E731
-    per_layer = lambda x: x.expand(n_layers).clone()  # noqa: E731  the same query rows in every layer
+
+    def per_head(x):
+        return x.reshape(n_layers, H)
+
+    def per_layer(x):
+        return x.expand(n_layers).clone()  # the same query rows in every layer
+
     model_pairs = {k: v[0] for k, v in stacked.pairs.items()}  # (L*H, L*H)
     blocks = {k: torch.stack([m[i * H:(i + 1) * H, i * H:(i + 1) * H] for i in range(n_layers)])
               for k, m in model_pairs.items()}

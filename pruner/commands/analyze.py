@@ -56,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from pruner import api
     from pruner.analysis import report as ar
     from pruner.core import distributed
-    from pruner.runs import folders as runs
+    from pruner.runs import folders
 
     options = {**sample_options(args), "metrics": [m.strip() for m in args.metrics.split(",") if m.strip()],
                "thresholds": thresholds(args.threshold), "clusters": args.clusters, "chunk_size": args.chunk_size,
                "checkpoint_every_seconds": args.checkpoint_every, "checkpoint_every_batches": args.checkpoint_batches}
     out = Path(args.out)
     main = distributed.is_main()
-    with runs.run_folder(out, args.overwrite, args.resume) as tmp:  # unwritable or existing: fail before compute
+    with folders.run_folder(out, args.overwrite, args.resume) as tmp:  # unwritable or existing: fail before compute
         if main:
             print(f"{args.model}: every head against every head on {args.data}"
                   + (f", against {args.compare_to}" if args.compare_to else ""))

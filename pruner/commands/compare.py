@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from pruner import api
     from pruner.commands import recipe_overrides
     from pruner.core import distributed
-    from pruner.runs import folders as runs
+    from pruner.runs import folders
     from pruner.runs.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
               compensations=_list(args.compensation), budgets=_list(args.budgets), gqa=_list(args.gqa))
     out = Path(args.out or f"runs/{Path(args.recipe).stem}-compare")
     main = distributed.is_main()  # several processes: each computes its shard; rank 0 writes and prints
-    with runs.run_folder(out, args.overwrite, args.resume) as tmp:
+    with folders.run_folder(out, args.overwrite, args.resume) as tmp:
         comparison = api.compare(progress=main, checkpoint_dir=tmp, **kw)
         if main:
             table = comparison.write(tmp)

@@ -20,26 +20,25 @@ def add_parser(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     from pruner.commands import recipe_overrides
     from pruner.core import arch
+    from pruner.core.runtime import model_bytes
     from pruner.pruning.selection import SelectionError, check_target
-    from pruner.runs import memory_plan as mp
-    from pruner.runs import memory_run
+    from pruner.runs import calibration_memory, prune_memory
     from pruner.runs.pipeline import selection_config
     from pruner.runs.recipe_io import load_recipe
-    from pruner.core.runtime import model_bytes
     from pruner.runs.resources import available_memory
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     m, cal = recipe.model, recipe.calibration
-    model = memory_run.recipe_model(recipe)
+    model = prune_memory.recipe_model(recipe)
     try:
         quota = check_target(arch.geometry(model), selection_config(recipe, model))[1]
         refused = None
     except SelectionError as e:  # `prune` would refuse this target: planned as a global budget, and said
         quota, refused = None, str(e)
-    sequential = memory_run.run_plan(recipe, model, quota)
-    calibration = memory_run.calibration_sizes(recipe, model, quota)
-    whole = mp.memory_plan(model, calibration, cal.num_samples or 64, "all", m.device,
-                           memory_run.scorer_of(recipe).needs_systems)
+    sequential = prune_memory.run_plan(recipe, model, quota)
+    calibration = prune_memory.calibration_sizes(recipe, model, quota)
+    whole = calibration_memory.memory_plan(model, calibration, cal.num_samples or 64, "all", m.device,
+                                           prune_memory.scorer_of(recipe).needs_systems)
     free = available_memory(m.device)
     chosen = recipe.capture.onload if recipe.capture.onload != "auto" else \
         ("sequential" if free is not None and model_bytes(model) > 0.8 * free else "all" if free is not None else "?")
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
           (f", {calibration.folds} folds for ridge auto" if calibration.folds else "") +
           "; all: the calibration with the whole model resident; sequential: the whole `pruner prune` a block at "
           "a time\n")
-    print(mp.render([whole, sequential], m.device, chosen))
+    print(calibration_memory.render([whole, sequential], m.device, chosen))
     if refused:
         print(f"\nnote: `pruner prune` refuses this selection ({refused}); planned here as a global budget")
     return 0

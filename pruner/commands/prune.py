@@ -21,17 +21,16 @@ def run(args: argparse.Namespace) -> int:
     from pruner.commands import recipe_overrides
     from pruner.commands.export import print_export
     from pruner.core import distributed
-    from pruner.runs import export
-    from pruner.runs import folders as runs
+    from pruner.runs import export, folders
     from pruner.runs.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, recipe_overrides(args))
     out = Path(args.out or f"runs/{Path(args.recipe).stem}")
     main = distributed.is_main()  # several processes: each computes its shard; rank 0 writes and prints
-    with runs.run_folder(out, args.overwrite, args.resume) as tmp:
+    with folders.run_folder(out, args.overwrite, args.resume) as tmp:
         result = api.prune(recipe=recipe, checkpoint_dir=tmp, progress=main)
         if main:
-            runs.save_run(result, tmp)
+            folders.save_run(result, tmp)
     if not main:
         return 0
     print_summary(result.metrics, out, bool(result.compensation))
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_summary(m: dict, out, compensated: bool) -> None:
     """What was pruned, what it cost, and whose convention sensitivity is shown."""
-    from pruner.runs import folders as runs
+    from pruner.runs import folders
 
     e = m["evaluation"]
     if m.get("selection_note"):
@@ -105,4 +104,4 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         if m.get("model_note"):
             print(f"model/: {m['model_note']}")
     print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
-          + (f", {runs.COMPENSATION_FILE})" if compensated else ")"))
+          + (f", {folders.COMPENSATION_FILE})" if compensated else ")"))

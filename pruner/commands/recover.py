@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pruner.core import distributed
-    from pruner.runs.recovering import recover_run
+    from pruner.runs.recovery_stage import recover_run
 
     out = Path(args.out or f"{str(args.run).rstrip('/')}-recovered")
     m = recover_run(args.run, out, values(args), args.overwrite, args.resume, progress=distributed.is_main())

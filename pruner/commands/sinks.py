@@ -19,7 +19,7 @@ def add_parser(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pruner.analysis import flips as audit
+    from pruner.analysis import flips
     from pruner.api.analysis import measure_heads
     from pruner.attention.eager import format_table
     from pruner.core import distributed
@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     upper = st.sink_mass[1:].flatten()
     print(f"layers >= 1: {int((upper >= 0.3).sum())}/{upper.numel()} heads with sink mass >= 0.3; "
           f"entropy full {st.entropy_full.mean():.2f} vs content {st.entropy_content.mean():.2f} nats")
-    flips = audit.nn_flip_rate(st.pairs["cosine/full"], st.pairs["cosine/content"], similarity=True)
+    rates = flips.nn_flip_rate(st.pairs["cosine/full"], st.pairs["cosine/content"], similarity=True)
     print("nearest neighbour by cosine, FULL vs CONTENT: agree for "
-          + ", ".join(f"L{i} {1 - f:.0%}" for i, f in enumerate(flips.tolist()))
-          + f" of heads (overall {1 - flips.mean():.0%})")
+          + ", ".join(f"L{i} {1 - f:.0%}" for i, f in enumerate(rates.tolist()))
+          + f" of heads (overall {1 - rates.mean():.0%})")
     return 0

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from pruner.core import assets, pkgdocs, pydocs
+from pruner.core import assets, package_docs_text, python_docs_text
 
 
 class DataError(ValueError):
@@ -33,8 +33,8 @@ class TextSource:
     """Where text comes from: a local file/folder, a shipped split, or a Hub dataset.
 
     `path` is tried in this order: `shakespeare:<split>` (shipped corpus),
-    `python-docs:<dev|evaluation>` (the standard library's docstrings, `pruner.core.pydocs`),
-    `package-docs:<dev|evaluation>` (pruner's dependencies' READMEs, `pruner.core.pkgdocs`), an
+    `python-docs:<dev|evaluation>` (the standard library's docstrings, `pruner.core.python_docs_text`),
+    `package-docs:<dev|evaluation>` (pruner's dependencies' READMEs, `pruner.core.package_docs_text`), an
     existing local file or folder (every `*.txt` inside, sorted), otherwise a Hub
     dataset id loaded with `datasets.load_dataset(path, name, split=split)`.
     """
@@ -75,10 +75,10 @@ def load_texts(source: TextSource) -> list[str]:
     from datasets import load_dataset
 
     path = source.path
-    if path.startswith(pydocs.PREFIX):  # the running Python's standard-library docstrings
-        return list(pydocs.texts(path.removeprefix(pydocs.PREFIX)))
-    if path.startswith(pkgdocs.PREFIX):  # the installed dependencies' long descriptions
-        return list(pkgdocs.texts(path.removeprefix(pkgdocs.PREFIX)))
+    if path.startswith(python_docs_text.PREFIX):  # the running Python's standard-library docstrings
+        return list(python_docs_text.texts(path.removeprefix(python_docs_text.PREFIX)))
+    if path.startswith(package_docs_text.PREFIX):  # the installed dependencies' long descriptions
+        return list(package_docs_text.texts(path.removeprefix(package_docs_text.PREFIX)))
     if path.startswith("shakespeare:"):
         path = str(assets.shakespeare(path.split(":", 1)[1]))
     local = Path(path).expanduser()
@@ -103,7 +103,8 @@ def load_texts(source: TextSource) -> list[str]:
     return texts
 
 
-SHIPPED_KINDS = {"shakespeare:": assets.SPLITS, pydocs.PREFIX: pydocs.SPLITS, pkgdocs.PREFIX: pkgdocs.SPLITS}
+SHIPPED_KINDS = {"shakespeare:": assets.SPLITS, python_docs_text.PREFIX: python_docs_text.SPLITS,
+                 package_docs_text.PREFIX: package_docs_text.SPLITS}
 
 
 def check_source(path: str) -> str:

@@ -67,7 +67,10 @@ def check_shares(n_sources: int, weights: list[float] | None, num_samples: int |
 def concat(batches: Sequence[TokenBatch], pad_id: int = 0) -> TokenBatch:
     """Samples of several batches in one, right-padded to the widest. input_ids: (sample, q_pos)."""
     width = max(b.input_ids.shape[1] for b in batches)
-    grow = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+
+    def grow(t, v):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+
     return TokenBatch(torch.cat([grow(b.input_ids, pad_id) for b in batches]),
                       torch.cat([grow(b.attention_mask, 0) for b in batches]))
 
@@ -114,6 +117,9 @@ def mixed_samples(tokenizer, corpora: Sequence[Sequence[str]], unit: str, length
     pad_id = tokenizer.pad_token_id or 0
     if len(kept) == 1:
         return kept[0], (held[0] if held else None)
-    mix = lambda bs: take(concat(bs, pad_id), torch.randperm(  # noqa: E731
-        sum(len(b) for b in bs), generator=torch.Generator().manual_seed(seed)))
+
+    def mix(bs):
+        return take(concat(bs, pad_id), torch.randperm(sum(len(b) for b in bs),
+                                                       generator=torch.Generator().manual_seed(seed)))
+
     return mix(kept), (mix(held) if held else None)

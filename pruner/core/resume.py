@@ -213,8 +213,11 @@ def differences(old: dict, new: dict, limit: int = 3) -> list[str]:
     """`key: old -> new` for each dotted key that differs (at most `limit`, then a count)."""
     a, b = _flat(old), _flat(new)
     keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k, "(none)") != b.get(k, "(none)")]
-    short = lambda v: (s if len(s := json.dumps(v) if not isinstance(v, str) else v) <= 40  # noqa: E731
-                       else s[:37] + "...")
+
+    def short(v):
+        s = v if isinstance(v, str) else json.dumps(v)
+        return s if len(s) <= 40 else s[:37] + "..."
+
     out = [f"{k}: {short(a.get(k, '(none)'))} -> {short(b.get(k, '(none)'))}" for k in keys[:limit]]
     return out + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
 

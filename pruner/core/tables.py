@@ -7,7 +7,10 @@ from typing import Mapping
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A GitHub markdown table; floats print with two decimals, everything else as `str` gives it."""
-    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+
+    def fmt(v):
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)

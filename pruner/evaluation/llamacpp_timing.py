@@ -46,7 +46,10 @@ def measure_file(path: Path, cases: dict) -> dict:
     llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=2048, n_ubatch=512, verbose=True,
                 n_threads=os.cpu_count(), n_threads_batch=os.cpu_count())
     rng = random.Random(0)
-    ids = lambda n: [rng.randrange(3, cases["vocab"]) for _ in range(n)]  # noqa: E731
+
+    def ids(n):
+        return [rng.randrange(3, cases["vocab"]) for _ in range(n)]
+
     out = {"prefill": {}, "decode": {}}
     for T in cases["lengths"]:
         llm.reset()

@@ -33,7 +33,9 @@ def measure_folder(folder: Path, cases: dict) -> dict:
 
     model = og.Model(str(folder))
     rng = np.random.default_rng(0)
-    ids = lambda b, t: rng.integers(3, cases["vocab"], size=(b, t), dtype=np.int32)  # noqa: E731
+
+    def ids(b, t):
+        return rng.integers(3, cases["vocab"], size=(b, t), dtype=np.int32)
 
     def generator(batch: int, length: int):
         params = og.GeneratorParams(model)
@@ -64,7 +66,10 @@ def measure(folders: dict[str, Path], cfg: BenchConfig, vocab: int, progress: bo
     """Interleaved rounds over fresh processes (`pruner.evaluation.rounds`); round 0 (warm-up) is dropped."""
     cases = {"lengths": list(cfg.lengths), "decode": [list(c) for c in cfg.decode], "new_tokens": cfg.new_tokens,
              "vocab": vocab}
-    one = lambda folder: spawn("pruner.evaluation.onnx_timing", folder, cases, "ONNX Runtime GenAI")[0]  # noqa: E731
+
+    def one(folder):
+        return spawn("pruner.evaluation.onnx_timing", folder, cases, "ONNX Runtime GenAI")[0]
+
     return interleaved(folders, cfg, [tuple(c) for c in cfg.decode], one, "onnxruntime-genai", progress)
 
 

@@ -71,7 +71,10 @@ def sliding_windows(tokenizer, texts: list[str], length: int, stride: int | None
         if end == len(ids) or (max_windows and len(rows) == max_windows):
             break
     width = max(len(r) for r in rows)
-    pad = lambda r, v: r + [v] * (width - len(r))  # noqa: E731
+
+    def pad(r, v):
+        return r + [v] * (width - len(r))
+
     ids_t = torch.tensor([pad(r, 0) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     return EvalWindows(ids_t, mask, torch.tensor([pad(r, -100) for r in labels]))
@@ -128,7 +131,10 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
             for idx, call in zip(parts, calls):
                 replay.hidden = call.hidden
                 _score(model, windows, idx, causal, pool, nll, count, emb)
-    cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731  (a process may hold no windows)
+
+    def cat(xs):
+        return torch.cat(xs) if xs else None  # (a process may hold no windows)
+
     n = len(windows)
     return (distributed.gather_rows(cat(nll), n), distributed.gather_rows(cat(count), n),
             distributed.gather_rows(cat(emb), n) if pool else None)

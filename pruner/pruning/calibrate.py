@@ -162,7 +162,9 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
             loss_fn = _lm_example_loss
         elif hasattr(model, "cls") or hasattr(model, "lm_head"):
             masked = mlm_masks(batch, tokenizer, seed)
-            loss_fn = lambda m, b, i: mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])  # noqa: E731
+
+            def loss_fn(m, b, i):
+                return mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])
         else:
             raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
         grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)

@@ -159,7 +159,10 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
             kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
             run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
                        progress=bar, spill=spill)
-            keep = lambda slot, i, x: x if spill is None or x is None else spill.put(slot, i, x)  # noqa: E731
+
+            def keep(slot, i, x):
+                return x if spill is None or x is None else spill.put(slot, i, x)
+
             grads = [keep(-1, i, _head_gradient(model, call.hidden, ids, mask, lab, causal, device))
                      for i, (call, ids, mask, lab) in enumerate(zip(calls, inputs, attn, labels))]
             for layer in reversed(range(g.n_layers)):

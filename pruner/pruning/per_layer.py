@@ -98,10 +98,16 @@ def weight_norm(model, layer: int) -> torch.Tensor:
     """Norm of each head's q, k, v and o slices (k/v shared across a GQA group, split evenly): (head,), on the CPU
     (the layer's block must be in memory)."""
     g = arch.geometry(model)
-    sq = lambda w: w.detach().float().square().sum(-1, dtype=torch.float64)  # noqa: E731  per row
+
+    def sq(w):
+        return w.detach().float().square().sum(-1, dtype=torch.float64)  # per row
+
     q, k, v = arch.qkv_weights(model, layer)  # (rows, d_model)
     o = arch.o_weight_cols(model, layer)  # (d_model, H*d_head)
-    per_head = lambda x, n: x.view(n, -1).sum(-1)  # noqa: E731
+
+    def per_head(x, n):
+        return x.view(n, -1).sum(-1)
+
     q_sq = per_head(sq(q), g.n_heads)
     kv_sq = per_head(sq(k) + sq(v), g.n_kv_heads).repeat_interleave(g.group_size) / g.group_size
     o_sq = per_head(sq(o.t()), g.n_heads)

@@ -56,7 +56,10 @@ class ScoringInputs:
         with caches of its own. A scorer's importances of the view are the whole's row `index`: every scorer
         prices a layer from that layer's data and per-layer scalars (`pruner.pruning.curves`)."""
         cut = slice(index, index + 1)
-        per = lambda x: None if x is None else x[cut]  # noqa: E731
+
+        def per(x):
+            return None if x is None else x[cut]
+
         return ScoringInputs(stats=self.stats.layer(index), gram=per(self.gram), weight_norm=per(self.weight_norm),
                              gradient=per(self.gradient), ablation=per(self.ablation),
                              shortlist=per(self.shortlist), seed=self.seed,

@@ -128,7 +128,10 @@ class Plan:
     def to_json(self) -> str:
         """Byte-stable JSON: floats to 10 significant digits, because sums over a different
         number of threads differ in the last bits and the plan must not."""
-        sig = lambda x: x if not isinstance(x, float) else float(f"{x:.10g}")  # noqa: E731
+
+        def sig(x):
+            return x if not isinstance(x, float) else float(f"{x:.10g}")
+
         entries = [{k: sig(v) for k, v in asdict(e).items()} for e in self.entries]
         return json.dumps({"scorer": self.scorer, "convention": self.convention, "target": self.target,
                            "pruned": len(self.entries), "heads": {str(k): v for k, v in self.heads.items()},

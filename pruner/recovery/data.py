@@ -88,7 +88,10 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
     val, pool = order[:n_val], order[n_val:]
     reps = math.ceil(n_train / len(pool))
     train = torch.cat([pool[torch.randperm(len(pool), generator=g)] for _ in range(reps)])[:n_train]
-    pick = lambda i: data.TokenBatch(every.input_ids[i], every.attention_mask[i])  # noqa: E731
+
+    def pick(i):
+        return data.TokenBatch(every.input_ids[i], every.attention_mask[i])
+
     return Windows(pick(train), pick(val), spec.data, round(n_train / len(pool), 3))
 
 
@@ -187,5 +190,8 @@ def generated(spec: RecoverySpec, teacher, tokenizer, n_train: int, n_val: int, 
             tmp = path.with_suffix(f".{os.getpid()}.tmp")  # several processes write the same windows
             torch.save(ids, tmp)
             tmp.replace(path)
-    batch = lambda x: data.TokenBatch(x, torch.ones_like(x))  # noqa: E731
+
+    def batch(x):
+        return data.TokenBatch(x, torch.ones_like(x))
+
     return Windows(batch(ids[n_val:]), batch(ids[:n_val]), GENERATED, 1.0)

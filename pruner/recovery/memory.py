@@ -85,11 +85,6 @@ def trained_tensors(student, method: str, rank: int = 8) -> list[int]:
     return sizes
 
 
-def trained_weights(student, method: str, rank: int = 8) -> int:
-    """How many weights `method` trains in `student`."""
-    return sum(trained_tensors(student, method, rank))
-
-
 def estimate(student, teacher, spec: RecoverySpec, method: str, *, teacher_held: bool, processes: int = 1,
              cpu: bool = True, teacher_bytes: int | None = None) -> dict[str, int]:
     """Peak bytes of one process's training step, by part (module docstring). `teacher_held`: whether the

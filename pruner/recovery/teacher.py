@@ -108,7 +108,10 @@ class Cached:
 
     def kl(self, student_logits, rows: torch.Tensor, batch: data.TokenBatch):
         r = rows.numpy()
-        rows_of = lambda a: torch.from_numpy(np.ascontiguousarray(a[r])).to(student_logits.device)  # noqa: E731
+
+        def rows_of(a):
+            return torch.from_numpy(np.ascontiguousarray(a[r])).to(student_logits.device)
+
         samples = None if self.sid is None else (rows_of(self.sid), rows_of(self.slp))
         return loss.topk_kl(student_logits, rows_of(self.top), rows_of(self.idx), rows_of(self.tail),
                             batch.attention_mask, self.temperature, samples)

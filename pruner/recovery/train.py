@@ -182,7 +182,10 @@ def _resume(model, spec: RecoverySpec, steps: int, checkpoints: resume.Checkpoin
     if saved is None:
         return 0, None, opt, sched
     params = methods.trainable(model)
-    as_params = lambda ws: {n: sharding.like(w, params[n]) for n, w in ws.items()}  # noqa: E731  (shards: DTensors)
+
+    def as_params(ws):
+        return {n: sharding.like(w, params[n]) for n, w in ws.items()}  # (shards: DTensors)
+
     _load_weights(model, as_params(saved["weights"]))
     saved["guard"]["best_weights"] = as_params(saved["guard"]["best_weights"])
     opt.load_state_dict(sharding.optimizer_state(saved["optimizer"], list(params.values())))

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pruner.checkpoints import layout as forms
-from pruner.checkpoints import modeling, saving
+from pruner.checkpoints import layout, modeling, saving
 from pruner.core import arch, assets, runtime
 from pruner.core.redact import redact
 from pruner.runs import report
@@ -55,7 +54,7 @@ def _format_text(fmt: str, model, saved: saving.Saved, gplan=None) -> str:
     if fmt == "dense":
         return ("**dense**: the pruned heads' output-projection columns are zero and every shape is the "
                 "base model's, so it loads wherever the base loads (no memory or speed gain by itself).")
-    q, kv = forms.head_counts(model)
+    q, kv = layout.head_counts(model)
     if saved.layout == "vanilla":
         return ("**compact**: the pruned heads are physically removed (q/k/v rows and output-projection "
                 f"columns); the config says {q[0]} attention heads"

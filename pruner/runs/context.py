@@ -17,7 +17,7 @@ from pruner.checkpoints.lazy import lazy_model
 from pruner.core import arch, assets, data, distributed, mixture, resume, runtime
 from pruner.evaluation import downstream, tasks
 from pruner.evaluation.perplexity import EvalWindows, masked_lines, sliding_windows
-from pruner.runs import memory_plan, resources
+from pruner.runs import calibration_memory, resources
 from pruner.runs.recipe import Recipe
 
 
@@ -181,12 +181,12 @@ def _check_whole_model_fits(m, folder: Path) -> None:
 
 
 def check_layerwise(session: Session, sizes: resources.Sizes, systems: bool) -> None:
-    """Before a layer-by-layer calibration: its memory check (`pruner.runs.memory_plan.check_sequential`,
+    """Before a layer-by-layer calibration: its memory check (`pruner.runs.calibration_memory.check_sequential`,
     unless capture.memory_check is off) and where its hidden states go (capture.hidden)."""
     cap = session.recipe.capture
     if cap.memory_check:
-        plan = memory_plan.check_sequential(session.model, sizes, len(session.calibration), session.onloader.device,
-                                            systems, cap.hidden, cap.read_ahead)
+        plan = calibration_memory.check_sequential(session.model, sizes, len(session.calibration),
+                                                   session.onloader.device, systems, cap.hidden, cap.read_ahead)
         if plan.spill:
             spill_hidden(session, sizes.gradient, cap.hidden == "auto")
     elif cap.hidden == "disk":
@@ -202,7 +202,7 @@ def spill_hidden(session: Session, gradient: bool, chosen: bool = False) -> None
     r = session.recipe
     folder = Path(r.capture.spill_dir) if r.capture.spill_dir is not None else Path(tempfile.gettempdir())
     slots = arch.geometry(session.model).n_layers + 2 if gradient else 2  # every block's inputs + gradients
-    need = memory_plan.hidden_bytes(session.model, slots * session.calibration.input_ids.numel())
+    need = calibration_memory.hidden_bytes(session.model, slots * session.calibration.input_ids.numel())
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -38,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pruner.checkpoints import layout as forms
-from pruner.checkpoints import gguf_file, llamacpp, loading, onnx, saving, storage, streamed
+from pruner.checkpoints import gguf_file, layout, llamacpp, loading, onnx, saving, storage, streamed
 from pruner.checkpoints.lazy import lazy_model
 from pruner.core import distributed, outputs, runtime
 from pruner.core.redact import redact
@@ -168,7 +167,7 @@ def write_onnx(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | 
     by its generator against transformers on the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    kind, why = forms.layout(model, removed=True)
+    kind, why = layout.layout(model, removed=True)
     if kind != "vanilla" or not runtime.attends_causally(model):
         reason = why or "ONNX Runtime GenAI runs causal language models"
         raise ExportError(f"ONNX export needs a vanilla compact causal LM, and this run's is not: {reason}. Prune "

@@ -151,13 +151,11 @@ def save_model(result, folder: Path) -> None:
 
 def save_run(result, folder: Path) -> None:
     """Write every file of a run into `folder` (an existing, empty folder: see outputs.atomic_dir)."""
-    from pruner.runs.pipeline import to_jsonable
-
     save_model(result, folder / "model")
     save_compensation(result.compensation, folder / COMPENSATION_FILE)
     plan_json = result.plan.to_json()
     (folder / "plan.json").write_text(plan_json + "\n")
-    (folder / "metrics.json").write_text(json.dumps(to_jsonable(result.metrics), indent=1) + "\n")
+    (folder / "metrics.json").write_text(report.metrics_json(result.metrics))
     (folder / "recipe.yaml").write_text(result.recipe.to_yaml())
     figure = "refit.png" if report.plot_refit(result.metrics, folder / "refit.png") else None
     (folder / "report.md").write_text(report.run_report(result.metrics, plan_json, figure))
@@ -222,8 +220,7 @@ def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progre
     import dataclasses
     import tempfile
 
-    from pruner.checkpoints import layout as forms
-    from pruner.checkpoints import onnx
+    from pruner.checkpoints import layout, onnx
     from pruner.evaluation import onnx_timing
 
     onnx.require()
@@ -232,7 +229,7 @@ def bench_run_onnx(run_dir: str | Path, cfg: BenchConfig = BenchConfig(), progre
         raise ValueError(f"{run_dir} was pruned from a model built in memory: bench needs its base")
     base = loading.load_base(run.recipe.model.model_copy(update={"dtype": "float32"}))
     pruned = compact_copy(base, run.heads, run.bias)
-    kind, why = forms.layout(pruned, removed=True)
+    kind, why = layout.layout(pruned, removed=True)
     if kind != "vanilla":
         raise ValueError(f"ONNX Runtime GenAI needs a vanilla compact model, and this run's is not: {why}; prune "
                          "with selection.shape: servable at a servable target")

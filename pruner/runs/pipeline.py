@@ -10,14 +10,12 @@ cannot drift.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 
 from pruner.attention.capture import CaptureConfig
-from pruner.checkpoints import layout as forms
-from pruner.checkpoints import streamed
+from pruner.checkpoints import layout, streamed
 from pruner.core import arch, distributed
 from pruner.evaluation import bench
 from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
@@ -37,7 +35,7 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import compensating, reads, recovering, resources
+from pruner.runs import calibration_needs, compensating, recovery_stage, resources
 from pruner.runs.context import Session, check_layerwise, resident
 from pruner.runs.recipe import Recipe
 
@@ -47,13 +45,13 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     """The calibration pass (capture, the gradient pass and the single-head ablations when a scorer needs
     them), after checking that its estimated peak memory fits (`pruner.runs.resources`), with the curves
     `request` asks for built layer by layer. It accumulates only what a stage will read
-    (`reads.capture_reads`): the joint output moments and the fold moments only for `scorers` and the
+    (`calibration_needs.capture_reads`): the joint output moments and the fold moments only for `scorers` and the
     compensation `kinds` that read them. The ablations remove each head with the recipe's compensation
     (surgery.compensation), on scorer.ablation_samples."""
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     layerwise = session.onloader is not None
-    joint, folds = reads.capture_reads(scorers, kinds, r.surgery, layerwise, bool(request.local))
+    joint, folds = calibration_needs.capture_reads(scorers, kinds, r.surgery, layerwise, bool(request.local))
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, joint=joint, folds=folds,
                         moments=r.capture.moments)
     gradient, ablation = any(s.needs_gradient for s in scorers), any(s.needs_ablation for s in scorers)
@@ -116,7 +114,7 @@ def selection_config(recipe: Recipe, model=None, target: float | None = None, bu
     servable` on a family whose vanilla config can describe a pruned model, the per-layer counts it holds."""
     s = recipe.selection
     gqa = gqa or s.gqa
-    shapes = forms.servable_prunes(model, gqa) if model is not None and s.shape == "servable" else None
+    shapes = layout.servable_prunes(model, gqa) if model is not None and s.shape == "servable" else None
     budget = budget or s.budget
     if shapes is not None and budget == "global":
         raise SelectionError(f"selection.budget: global lets layers keep different head counts, which no vanilla "
@@ -144,7 +142,7 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     _, quota = check_target(geom, cfg)  # an impossible target fails before any calibration compute
     if inputs is None:
         key = curve_key(scorer, geom, cfg, recipe.scorer.convention)
-        local = reads.local_compensation(quota, key, recipe.surgery, session.onloader is not None)
+        local = calibration_needs.local_compensation(quota, key, recipe.surgery, session.onloader is not None)
         inputs = scoring_inputs(session, [scorer], CurveRequest((key,), local), [recipe.surgery.compensation],
                                 progress=progress)
 
@@ -298,7 +296,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     if cost is not None:
         metrics["scorer_cost"] = cost
     result = RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
-    recovering.stage(session, result, progress)  # recovery.enabled: distil the base into the pruned model
+    recovery_stage.stage(session, result, progress)  # recovery.enabled: distil the base into the pruned model
     return result
 
 
@@ -321,7 +319,3 @@ def sensitivity_record(plan: Plan) -> dict | None:
         return None
     own = plan.convention is not None
     return {**asdict(sens), "scorer": plan.scorer if own else "cosine", "of_this_plan": own}
-
-
-def to_jsonable(x):
-    return json.loads(json.dumps(x, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))

@@ -93,14 +93,14 @@ def tokenizer_identity(name_or_path: str) -> dict:
 def data_identity(path: str, name: str | None = None, split: str = "train", text_column: str = "text") -> dict:
     """Identity of a data source's text (as a recipe's data section names it): file hashes, or a Hub
     dataset's `datasets` fingerprint."""
-    from pruner.core import data, pkgdocs, pydocs
+    from pruner.core import data, package_docs_text, python_docs_text
 
-    if path.startswith(pydocs.PREFIX):  # the interpreter's own docstrings: its version and the texts' hash
+    if path.startswith(python_docs_text.PREFIX):  # the interpreter's own docstrings: its version and the texts' hash
         return {**texts_identity(data.load_texts(data.TextSource(path))), "kind": "python-docs", "source": path,
-                "python": pydocs.python_version()}
-    if path.startswith(pkgdocs.PREFIX):  # the installed dependencies' READMEs: their versions and the texts' hash
+                "python": python_docs_text.python_version()}
+    if path.startswith(package_docs_text.PREFIX):  # the dependencies' READMEs: their versions and the texts' hash
         return {**texts_identity(data.load_texts(data.TextSource(path))), "kind": "package-docs", "source": path,
-                "packages": pkgdocs.versions()}
+                "packages": package_docs_text.versions()}
     local = Path(str(assets.shakespeare(path.split(":", 1)[1])) if path.startswith("shakespeare:") else path).expanduser()
     if local.exists():
         files = data._local_files(local)
@@ -178,7 +178,10 @@ def _what_changed(what: str, old: dict, new: dict) -> str | None:
     if old.get("kind") == "hub" or new.get("kind") == "hub":
         if (old.get("repo_id"), old.get("commit")) == (new.get("repo_id"), new.get("commit")):
             return None
-        short = lambda c: (c or "unknown")[:12]  # noqa: E731
+
+        def short(c):
+            return (c or "unknown")[:12]
+
         return (f"{what} {new.get('name')} resolves to Hub commit {short(new.get('commit'))} now, "
                 f"{short(old.get('commit'))} when the run was made")
     a, b = old.get("files", {}), new.get("files", {})

@@ -8,6 +8,8 @@ settings that would fit (`pruner.recovery.memory` says what is counted).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pruner.core import distributed
 from pruner.core.runtime import input_device
 from pruner.recovery import memory
@@ -23,18 +25,26 @@ def estimate(student, teacher, spec: RecoverySpec, method: str, teacher_held: bo
                                     processes=distributed.world_size(), cpu=cpu, teacher_bytes=teacher_bytes))
 
 
-def _room(student) -> tuple[int | None, int]:
-    """(bytes free on the student's device beyond what is loaded, how many processes share them)."""
+@dataclass(frozen=True)
+class Room:
+    """What a training step has to fit in: `held` bytes already loaded (student and teacher), `free` bytes free on
+    the student's device beyond them (None: unknown, anything fits), shared by `procs` processes."""
+
+    held: int
+    free: int | None
+    procs: int
+
+    def fits(self, est: Estimate) -> bool:
+        return self.free is None or self.procs * (est.total - self.held) <= self.free
+
+
+def _room(student, held: int) -> Room:
     device = input_device(student)
-    return available_memory(device), sharing(device)
+    return Room(held, available_memory(device), sharing(device))
 
 
-def _fits(est: Estimate, held: int, free: int | None, procs: int) -> bool:
-    return free is None or procs * (est.total - held) <= free
-
-
-def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool, teacher_bytes, held, free,
-           procs) -> list[str]:
+def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool, teacher_bytes,
+           room: Room) -> list[str]:
     """Settings that would fit (at most three)."""
     tries = []
     if method != "lora":
@@ -48,7 +58,7 @@ def _hints(student, teacher, spec: RecoverySpec, method: str, teacher_held: bool
     out = []
     for text, s, m, h in tries:
         e = estimate(student, teacher, s, m, h, teacher_bytes)
-        if _fits(e, held, free, procs):
+        if room.fits(e):
             out.append(f"{text} (about {gib(e.total)})")
             if text.startswith("recovery.batch_size") or len(out) == 3:
                 break
@@ -60,20 +70,20 @@ def choose(student, teacher, spec: RecoverySpec, *, teacher_held: bool, teacher_
     """`spec` with its method decided and checked against the free memory, the method's estimate, and a one-line
     note when the default fell back to LoRA (else None). `teacher_held`: whether the teacher's weights stay in
     memory while the student trains. Raises `ResourceError` when the method does not fit."""
-    held = memory.held_now(student, teacher, teacher_bytes)
-    free, procs = _room(student)
+    room = _room(student, memory.held_now(student, teacher, teacher_bytes))
+    held, free, procs = room.held, room.free, room.procs
     method = spec.method or "full"
     est = estimate(student, teacher, spec, method, teacher_held, teacher_bytes)
-    if _fits(est, held, free, procs):
+    if room.fits(est):
         return spec.model_copy(update={"method": method}), est, None
     if spec.method is None:
         lora = estimate(student, teacher, spec, "lora", teacher_held, teacher_bytes)
-        if _fits(lora, held, free, procs):
+        if room.fits(lora):
             note = (f"recovery: training every weight needs about {gib(est.total)} and {gib(free // procs)} is free "
                     f"beyond the loaded models: training LoRA adapters instead (recovery.method: lora, about "
                     f"{gib(lora.total)})")
             return spec.model_copy(update={"method": "lora"}), lora, note
-    hints = _hints(student, teacher, spec, method, teacher_held, teacher_bytes, held, free, procs)
+    hints = _hints(student, teacher, spec, method, teacher_held, teacher_bytes, room)
     device = input_device(student)
     more = " or recovery.fsdp: true over several processes" if device.type == "cuda" and not spec.fsdp else ""
     raise ResourceError(

@@ -13,6 +13,21 @@ from pruner.evaluation.bench import BenchResult
 from pruner.runs.recipe import Recipe
 
 
+def _json_default(o):
+    """Tensors and arrays as lists; anything else json cannot write (paths, dtypes) as its string."""
+    return o.tolist() if hasattr(o, "tolist") else str(o)
+
+
+def to_jsonable(x):
+    """`x` as plain JSON values (what metrics.json holds): a round trip through json with `_json_default`."""
+    return json.loads(json.dumps(x, default=_json_default))
+
+
+def metrics_json(metrics: dict) -> str:
+    """The text of a run's metrics.json, the same for a pruned run and a recovered one."""
+    return json.dumps(to_jsonable(metrics), indent=1) + "\n"
+
+
 def _variants(records: list[dict]) -> list[str]:
     """The selection axes a comparison varies besides scorer and sparsity (`budget`, `gqa`)."""
     return [k for k in ("budget", "gqa") if len({r.get(k) for r in records}) > 1]

@@ -1,10 +1,10 @@
 """`pruner prune`'s memory layer by layer, stage by stage, from a recipe and its model's config alone.
 
-The calibration's stages are `pruner.runs.memory_plan.memory_plan`'s; after them come the compensation's own pass
-(where the plan needs one: a global budget's one-shot refit, a sequential refit), the evaluations of the base and
+The calibration's stages are `pruner.runs.calibration_memory.memory_plan`'s; after them come the compensation's own
+pass (where the plan needs one: a global budget's one-shot refit, a sequential refit), the evaluations of the base and
 pruned models, and the written model/ read back. What the calibration accumulates is decided as the pipeline
-decides it (`pruner.runs.reads`). `pruner plan-memory` prints `run_plan`; eval/bench/prune_layerwise.py compares
-its anonymous peak with the measured RssAnon.
+decides it (`pruner.runs.calibration_needs`). `pruner plan-memory` prints `run_plan`; eval/bench/prune_layerwise.py
+compares its anonymous peak with the measured RssAnon.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from pruner.core import arch
-from pruner.runs import reads
-from pruner.runs.memory_plan import (
+from pruner.runs import calibration_needs
+from pruner.runs.calibration_memory import (
     LOGIT_COPIES,
     MAPPED,
     MemoryPlan,
@@ -124,15 +124,16 @@ def scorer_of(recipe):
 
 def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
     """What the recipe's layer-by-layer calibration accumulates and builds per layer, as the pipeline decides it
-    (`pruner.runs.reads`): the joint moments for the scorers and a refit computed from the pass, fold moments for
-    that refit with ridge auto, a per-layer budget's refit (`quota`: the selection's per-layer counts, or None
-    for a global budget) as each layer finishes."""
+    (`pruner.runs.calibration_needs`): the joint moments for the scorers and a refit computed from the pass, fold
+    moments for that refit with ridge auto, a per-layer budget's refit (`quota`: the selection's per-layer counts,
+    or None for a global budget) as each layer finishes."""
     from pruner.pruning.curves import CurveKey
 
     r = recipe
     scorer, s = scorer_of(r), r.surgery.resolved()
-    local = bool(reads.local_compensation(quota, CurveKey(scorer.name, None, r.selection.gqa, 1), s, True))
-    joint, folds = reads.capture_reads([scorer], s.choices(), s, True, local)
+    key = CurveKey(scorer.name, None, r.selection.gqa, 1)
+    local = bool(calibration_needs.local_compensation(quota, key, s, True))
+    joint, folds = calibration_needs.capture_reads([scorer], s.choices(), s, True, local)
     cal = r.calibration
     samples = cal.num_samples or 64
     return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,

@@ -31,8 +31,7 @@ from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
 from pruner.recovery.train import Options, train
-from pruner.runs import folders as runs
-from pruner.runs import provenance, recovery_memory
+from pruner.runs import folders, provenance, recovery_memory, report
 from pruner.runs.context import sequential_folder
 
 CACHE = "recovery-cache"        # in the run folder: the teacher's generated windows
@@ -97,12 +96,12 @@ def check_layerwise_teacher(spec: RecoverySpec) -> None:
 
 
 def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
-                   folders: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
+                   caches: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
                    identity: dict | None = None, texts: list[str] | None = None, tasks=None,
                    teacher_onloader=None, reload_teacher=None) -> Recovered:
     """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
     `evaluation` when given, and the downstream `tasks` (a `TaskSpec`) of the base, pruned and recovered models
-    when given. `folders`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
+    when given. `caches`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
     recovery text given in memory (instead of `spec.data`). `teacher_onloader`: the teacher's blocks stay in its
     checkpoint and its passes (the cache, the base perplexity) run a block at a time (`cached` only; the base's
     task accuracy, which needs the whole model, is then not measured). `reload_teacher`: reads the teacher again;
@@ -126,14 +125,14 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     if choice and options.progress and distributed.is_main():
         tqdm.write(choice)
     if spec.data == GENERATED and texts is None:
-        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, folders[0], identity or {},
+        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, caches[0], identity or {},
                                   options.progress)
     else:
         windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
     base, before, kl_before = scores(teacher, student, evaluation, teacher_onloader)
     task_base = None if not tasks or teacher_onloader is not None else _task_scores(tasks, teacher, tokenizer)
     task_before = _task_scores(tasks, student, tokenizer) if tasks else None
-    tmp = folders[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
+    tmp = caches[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
     try:
         targets = _targets(spec, teacher, windows, tmp, options.progress, teacher_onloader)
         if release:  # training holds only the student: the teacher's weights go, and are read again after
@@ -212,12 +211,14 @@ def stage(session, result, progress: bool = True) -> None:
         raise rdata.RecoveryError("recovery needs the pruned model in memory; this run was pruned layer by "
                                   "layer (capture.onload): prune with onload: all, or recover later on a machine "
                                   "that holds it (`pruner recover RUN_DIR`)")
-    load = lambda: loading.load_base(session.recipe.model,  # noqa: E731
-                                     device=distributed.local_device(session.recipe.model.device))
+
+    def load():
+        return loading.load_base(session.recipe.model, device=distributed.local_device(session.recipe.model.device))
+
     dense = result.plan.heads if session.recipe.surgery.mode == "mask" else None
     cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
     done = recover_models(result.model, load(), session.tokenizer, spec, evaluation=session.evaluation,
-                          folders=(cache, cache and cache / TEACHER_CACHE),
+                          caches=(cache, cache and cache / TEACHER_CACHE),
                           options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe),
                           reload_teacher=load)
     result.model = done.model
@@ -241,7 +242,7 @@ def _tasks_of(recipe):
     return tasks.spec_from_recipe(recipe.evaluation) if recipe.evaluation.tasks else None
 
 
-def pruned_model(run: runs.Run):
+def pruned_model(run: folders.Run):
     """The run's model/ as the student, loaded by the routes its reload check used; refused in one line when the
     run has none."""
     folder = run.folder / "model"
@@ -253,7 +254,7 @@ def pruned_model(run: runs.Run):
     return loading.load(folder).float().eval(), loading.load_tokenizer(str(folder))
 
 
-def run_spec(run: runs.Run, values: dict) -> RecoverySpec:
+def run_spec(run: folders.Run, values: dict) -> RecoverySpec:
     """The run recipe's recovery section with `values` (dotted `recovery.` keys or plain ones) on top."""
     from pruner.runs.recipe_io import validate_section
 
@@ -265,7 +266,7 @@ def run_spec(run: runs.Run, values: dict) -> RecoverySpec:
 def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run: bool = False,
                 progress: bool = True) -> dict:
     """`pruner recover RUN_DIR`: a new run folder `out` whose model/ is the recovered model; returns its metrics."""
-    run = runs.load_run(Path(run_dir))
+    run = folders.load_run(Path(run_dir))
     spec = run_spec(run, values)
     check(spec, run.recipe.evaluation, Path(out).parent)
     if not (run.folder / "model" / "config.json").exists():
@@ -279,7 +280,7 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
     layerwise = sequential_folder(run.recipe) if spec.teacher == "cached" else None
     if layerwise is not None:
         check_layerwise_teacher(spec)
-    with runs.run_folder(Path(out), overwrite, resume_run) as tmp:
+    with folders.run_folder(Path(out), overwrite, resume_run) as tmp:
         student, tokenizer = pruned_model(run)
         teacher, onloader = _teacher(run.recipe, layerwise)
         ident = provenance.base_identity(run.recipe.model)
@@ -290,7 +291,7 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
         windows = evaluation_windows(run.recipe, teacher, tokenizer, True)
         dense = run.heads if run.metrics["surgery"] == "mask" else None
         done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
-                              folders=(run.folder / CACHE, tmp / TEACHER_CACHE),
+                              caches=(run.folder / CACHE, tmp / TEACHER_CACHE),
                               options=Options(checkpoints, dense, progress and distributed.is_main()),
                               identity=ident, tasks=_tasks_of(run.recipe), teacher_onloader=onloader,
                               reload_teacher=lambda: _teacher(run.recipe, None)[0])
@@ -300,22 +301,19 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
     return metrics
 
 
-def write_run(run: runs.Run, recipe, model, tokenizer, metrics: dict, tmp: Path) -> None:
+def write_run(run: folders.Run, recipe, model, tokenizer, metrics: dict, tmp: Path) -> None:
     """The recovered run folder: model/ (reload-checked), the run's plan and compensation, the new metrics,
     recipe, report and provenance."""
-    from pruner.runs.pipeline import to_jsonable
-    from pruner.runs.report import run_report
-
-    saved = runs.save_checkpoint(model, tokenizer, tmp / "model", metrics["surgery"] == "remove",
-                                 runs.recipe_storage_dtype(run.recipe))
+    saved = folders.save_checkpoint(model, tokenizer, tmp / "model", metrics["surgery"] == "remove",
+                                    folders.recipe_storage_dtype(run.recipe))
     metrics.update(model_saved=True, model_layout=saved.layout, model_dtype=saved.dtype,
                    model_bytes=sum(f.stat().st_size for f in (tmp / "model").glob("*.safetensors")))
-    for name in ("plan.json", runs.COMPENSATION_FILE):
+    for name in ("plan.json", folders.COMPENSATION_FILE):
         if (run.folder / name).exists():
             shutil.copyfile(run.folder / name, tmp / name)
-    (tmp / "metrics.json").write_text(json.dumps(to_jsonable(metrics), indent=1) + "\n")
+    (tmp / "metrics.json").write_text(report.metrics_json(metrics))
     (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-    (tmp / "report.md").write_text(run_report(metrics, (tmp / "plan.json").read_text()))
+    (tmp / "report.md").write_text(report.run_report(metrics, (tmp / "plan.json").read_text()))
     prov_file = run.folder / provenance.FILE
     prov = json.loads(prov_file.read_text()) if prov_file.exists() else {}
     prov["recovery"] = provenance_record(run, metrics["recovery"])
@@ -323,7 +321,7 @@ def write_run(run: runs.Run, recipe, model, tokenizer, metrics: dict, tmp: Path)
     shutil.rmtree(tmp / resume.STATE, ignore_errors=True)
 
 
-def provenance_record(run: runs.Run, record: dict) -> dict:
+def provenance_record(run: folders.Run, record: dict) -> dict:
     """What the recovery was made from: the teacher (the run's base), the data, the budget and the seed."""
     spec = record["spec"]
     source = {"generated": {"kind": "generated", "by": "teacher", "seed": spec["seed"],

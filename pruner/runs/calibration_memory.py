@@ -1,8 +1,8 @@
 """The memory a run will take, per device and for the host, stage by stage, from a config alone.
 
 A run's memory is a sequence of stages, each with its own peak; the run's peak is the largest. `memory_plan`
-gives the calibration's, `pruner.runs.memory_run.run_plan` the whole `pruner prune`'s. Parts are the arithmetic of the model's
-geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
+gives the calibration's, `pruner.runs.prune_memory.run_plan` the whole `pruner prune`'s. Parts are the arithmetic
+of the model's geometry and the recipe's sizes (`pruner.runs.resources`), by where they live:
 
 - `all` (the whole model resident on the device): the device holds the weights, one layer's running sums and
   one batch's (added in place), and one batch's activations; the host holds every layer's finished sums (the

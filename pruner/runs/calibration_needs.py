@@ -1,5 +1,5 @@
 """What a calibration accumulates and computes per layer, decided from the recipe -- by the pipeline that runs it
-and by the memory model that predicts it alike (`pruner.runs.memory_plan`), so the two cannot disagree."""
+and by the memory model that predicts it alike (`pruner.runs.calibration_memory`), so the two cannot disagree."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def local_compensation(quota: list[int] | None, key, spec: SurgerySpec,
     per-layer budget (quotas), whose heads in a layer are known the moment that layer's curve is -- unless the
     scorer reads what exists only after the capture (the gradient pass, the ablations)."""
     scorer = get_scorer(key.scorer)
-    if not layerwise or quota is None or spec.compensation != "refit" or spec.refit_mode != "oneshot":
+    if not layerwise or quota is None or spec.resolved().compensation != "refit" or spec.refit_mode != "oneshot":
         return ()
     if scorer.needs_gradient or scorer.needs_ablation:  # its curves exist only after the capture: a pass of its own
         return ()
