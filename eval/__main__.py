@@ -146,6 +146,9 @@ TABLES = {
                    _steps("eval.studies.gemma", "--split evaluation --scorers refit-energy,cosine,entropy "
                                                 "--compensations refit --windows 256"),
                    (f"{S}/gemma/evaluation.json",)),
+    "refit-robust": Table("docs/evidence/compensation.md: refit against mean on a change of text",
+                          _steps("eval.studies.refit_robust", "--split dev", "--split evaluation"),
+                          (f"{S}/refit/robust_dev.json", f"{S}/refit/robust_evaluation.json")),
     "mixtures": Table("docs/results.md: mixtures and auto (issue 35)",
                       _steps("eval.studies.mixtures", "--split dev", "--split evaluation", "--tables"),
                       (f"{S}/mixtures/dev.json", f"{S}/mixtures/evaluation.json")),
