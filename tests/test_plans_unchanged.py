@@ -4,10 +4,11 @@ over every layer at once gave before selection curves (issue 33), whole model an
 tests/data/plans-before-curves.json.gz was written by that greedy (`tests/greedy_reference.py` is its code) on
 these calibrations: 16 windows x 64 tokens of the calibration plays, first-token sinks, ridge auto with 4 folds,
 single-head ablations with refit on 4 windows. Whole model and layer by layer (the blocks read from disk,
-curves built as each layer finishes): the same heads, order and twins exactly, scores to 1e-5 relative. The
+curves built as each layer finishes): the same heads, order and twins exactly, scores to 5e-5 relative. The
 scores are not compared digit for digit: a CPU with other vector units than the one that wrote the golden file
 (AVX-512 against AVX2) rounds its matrix products differently, which moves them by up to ~3e-6 relative (the
-refit-aware scorer's Schur complements amplify it); the single-head ablations, measured perplexity differences
+refit-aware scorer's Schur complements amplify it; an entropy score of a few thousandths moved by 2.4e-5 on the CI
+machine); the single-head ablations, measured perplexity differences
 of a few hundredths, move by up to ~1.5e-6 absolute and are compared to 1e-5 absolute.
 """
 
@@ -76,7 +77,7 @@ def check(name: str, model, inputs, layerwise: bool) -> None:
         assert [g[:2] + g[3:4] for g in got] == [w[:2] + w[3:4] for w in want["entries"]], key
         floats = [x for g in got for x in (g[2], g[4], g[5]) if x is not None]
         gold = [x for w in want["entries"] for x in (w[2], w[4], w[5]) if x is not None]
-        assert floats == pytest.approx(gold, rel=1e-5, abs=1e-5 if scorer.needs_ablation else 1e-12), key
+        assert floats == pytest.approx(gold, rel=5e-5, abs=1e-5 if scorer.needs_ablation else 1e-12), key
 
 
 def requested(name: str, model) -> CurveRequest:

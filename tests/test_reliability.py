@@ -163,7 +163,7 @@ CASES = [
     ("Hub id, no network", lambda e: _recipe(e, "model.path=pruner-tests/no-such-model"), 2,
      r"cannot load the model 'pruner-tests/no-such-model': it is not a shipped checkpoint .* Hub did not provide"),
     ("unsupported architecture", lambda e: _recipe(e, f"model.path={e / 'opt'}"), 2,
-     r"architecture 'opt' is not supported; supported: bert, gpt2, gpt_neox, llama"),
+     r"architecture 'opt' is not supported; supported: bert, gemma3_text, gpt2, gpt_neox, llama, mistral"),
     ("malformed YAML", lambda e: ["prune", str(e / "malformed.yaml")], 2, r"is not valid YAML \(line 3, column 1\)"),
     ("unknown recipe key", lambda e: ["prune", str(e / "unknown.yaml")], 2,
      r"invalid recipe: model.colour: unknown key"),

@@ -38,6 +38,8 @@ RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 TARGETS = (0.1, 0.25, 0.4, 0.5)
 SMALL = {"calibration.num_samples": 4, "evaluation.num_samples": 4, "evaluation.bootstrap": 10,
          "evaluation.latency": False, "bench.enabled": False, "export.dtype": "float32"}  # float32: atol 1e-4 below
+# refit needs at least n_heads x head_dim calibration tokens: Gemma 3 270M's 4 x 256 = 1,024 is 8 windows of 128
+REFIT_TOKENS = {"gemma3-270m": {"calibration.num_samples": 8, "calibration.length": 128}}
 OFFLINE = {"model.dtype": "float32", "model.device_map": None, "calibration.data": "shakespeare:calibration",
            "calibration.name": None, "calibration.length": 128, "evaluation.data": "shakespeare:evaluation",
            "evaluation.name": None, "evaluation.length": 128, "evaluation.stride": None, "evaluation.tasks": [],
@@ -73,7 +75,8 @@ def hub_stand_in(name: str):
 def session_of(name: str):
     """The recipe's session, made small (and offline for the Hub recipes)."""
     if not name.startswith("hub-"):
-        return context.prepare(build_recipe(ROOT / "recipes" / f"{name}.yaml", SMALL), progress=False)
+        small = {**SMALL, **REFIT_TOKENS.get(name, {})}
+        return context.prepare(build_recipe(ROOT / "recipes" / f"{name}.yaml", small), progress=False)
     model, tok = hub_stand_in(name)
     return context.prepare(build_recipe(ROOT / "recipes" / f"{name}.yaml", {**OFFLINE, **SMALL}), progress=False,
                            model=model, tokenizer=tok)
