@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pruner.cli import main
 
@@ -123,7 +124,9 @@ def test_prune_remove_saves_a_compact_llama_that_reloads(tmp_path):
     assert main(["prune", str(ROOT / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)] + half) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["params_after"] < metrics["params_before"] and metrics["model_saved"]
-    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    # The compact model keeps the base's float16 storage; the run measured it in float32, so read
+    # it back in float32 (transformers v5 would otherwise compute in the stored float16).
+    model = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
     assert model.config.num_attention_heads == 4 and model.config.num_key_value_heads == 2
     tok = loading.load_tokenizer(str(out / "model"))
     windows = sliding_windows(tok, load_texts(TextSource("shakespeare:evaluation")), 128, max_windows=8)

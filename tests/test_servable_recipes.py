@@ -134,9 +134,14 @@ def test_every_shipped_recipe_writes_a_servable_model_at_every_target(name, tmp_
         if unset:
             assert m["compensation"] == "refit" and m["compensation_note"].startswith(
                 "compensation: refit (surgery.compensation unset)")
+        gguf_route = base.config.model_type in layout.GGUF_UNIFORM and m["model_layout"] == "per-layer"
         if m["surgery"] == "remove" and not explicit:  # model/ per-layer: the one-line reason
             assert m["model_layout"] == "per-layer"
             assert "config derives the head width from hidden_size / heads" in m["model_note"]
+        elif gguf_route:  # a uniform count the config refuses (Gemma 3's 3 of 4): per-layer, served from GGUF
+            assert m["pruned_heads"] % base.config.num_hidden_layers == 0, (name, target)
+            assert "transformers rejects" in m["model_note"] and "--format gguf" in m["model_note"], m["model_note"]
+            assert "\n" not in m["model_note"]
         else:
             assert m["model_layout"] in ("dense", "vanilla"), (name, target, m.get("model_note"))
             assert_loads_plainly(folder / "model", done.model)
@@ -145,7 +150,9 @@ def test_every_shipped_recipe_writes_a_servable_model_at_every_target(name, tmp_
         surgery.remove_heads(compact, done.plan.heads, done.compensation)
         written = saving.save(compact, session.tokenizer, tmp_path / f"{name}-{target}-compact", removed=True,
                               dtype="float32")
-        if explicit:
+        if gguf_route:
+            assert written.layout == "per-layer"
+        elif explicit:
             assert written.layout == "vanilla", (name, target, written.why_per_layer)
             assert_loads_plainly(tmp_path / f"{name}-{target}-compact", compact)
         else:

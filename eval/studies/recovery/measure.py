@@ -23,10 +23,10 @@ import torch
 
 from eval.common import ROOT
 
-DOMAINS = ("shakespeare:evaluation", "python-docs:evaluation")
+DOMAINS = ("shakespeare:evaluation", "python-docs:evaluation", "package-docs:evaluation")
 DEV = ("shakespeare:calibration", "python-docs:dev")  # development text: calibration plays, the docstrings' dev split
 RECIPES = {"gpt2-shakespeare": "gpt2-shakespeare.yaml", "llama-shakespeare": "llama-shakespeare.yaml",
-           "minilm-causal": "quickstart.yaml"}
+           "minilm-causal": "quickstart.yaml", "gemma-3-270m": "gemma3-270m.yaml"}
 
 
 def cli(args: list[str]) -> tuple[float, float]:
@@ -48,7 +48,7 @@ def run_folder(out: Path, model: str, sparsity: str) -> Path:
     if not (folder / "metrics.json").exists():
         cli(["prune", str(ROOT / "recipes" / RECIPES[model]), "--out", str(folder), "--overwrite",
              "--set", f"selection.target={sparsity}", "--set", "selection.shape=any",
-             "--set", "scorer.name=refit-energy", "--set", "surgery.compensation=refit",
+             "--set", "surgery.compensation=refit",
              "--set", "surgery.mode=remove", "--set", "bench.enabled=false", "--set", "evaluation.latency=false"])
     return folder
 

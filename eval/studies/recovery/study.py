@@ -4,14 +4,16 @@
     python -m eval.studies.recovery.study CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--windows N|all] [--out DIR]
 
 A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
-(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal; DATA: generated or shakespeare:train); `--set` adds a
+(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal, gemma-3-270m; DATA: generated or shakespeare:train); `--set` adds a
 `recovery:` setting to every config (one chosen on development text, eval.studies.recovery.dev). For each:
 
-1. the run `pruner prune` makes of the model's recipe at SPARSITY with the default scorer (refit-energy), refit
+1. the run `pruner prune` makes of the model's recipe at SPARSITY with the recipe's scorer (refit-energy; Gemma's
+   fluctuation), refit
    compensation and `surgery.mode: remove` (made once, kept in OUT/runs/; `selection.shape: any` so 25% stays 25%);
 2. `pruner recover RUN --tokens TOKENS --data DATA --set recovery.method=METHOD --set recovery.teacher=TEACHER` in
    its own process: wall time, the child's peak resident memory, its tokens/s;
-3. perplexity of the base, pruned and recovered models on `shakespeare:evaluation` and `python-docs:evaluation`
+3. perplexity of the base, pruned and recovered models on `shakespeare:evaluation`, `python-docs:evaluation` and
+   `package-docs:evaluation`
    (the first 64 windows of 128 tokens each, or with `--windows all` every window of the split; neither is ever
    trained on) and the damage recovered R = (NLL_pruned - NLL_recovered) / (NLL_pruned - NLL_base) per domain,
    with its 95% bootstrap interval over 64 contiguous blocks of windows (one window each at 64 windows);
@@ -101,16 +103,18 @@ def _with_colon(config: str) -> tuple[str, ...]:
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| model | sparsity | data | tokens | method | teacher | ppl shakespeare base / pruned / recovered | R | "
-            "KL to teacher (R_KL) | ppl python-docs base / pruned / recovered | R | KL to teacher (R_KL) | "
-            "tokens/s (plain) | wall s | peak GiB | kept |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per record: per held-out domain its perplexities, R and KL (a dash for a domain a record made
+    before it was scored lacks), then throughput, wall time, memory and whether recovery's model was kept."""
+    names = [d.split(":")[0] for d in DOMAINS]
+    rows = ["| model | sparsity | data | tokens | method | teacher | " + " | ".join(
+        f"ppl {n} base / pruned / recovered | R | KL to teacher (R_KL)" for n in names) +
+        " | tokens/s (plain) | wall s | peak GiB | kept |", "|---|" * (10 + 3 * len(names)) if False else
+        "|" + "---|" * (10 + 3 * len(names))]
     for r in records:
-        s, p = cells(r[DOMAINS[0]]), cells(r[DOMAINS[1]])
         data = ", ".join([r["data"], *r.get("settings", [])])
+        held = " | ".join(" | ".join([*cells(r[d]), kl_cell(r[d])]) if d in r else "— | — | —" for d in DOMAINS)
         rows.append(f"| {r['model']} | {r['sparsity']:g} | {data} | {r['tokens']:,} | {r['method']} | "
-                    f"{r['teacher']} | {s[0]} | {s[1]} | {kl_cell(r[DOMAINS[0]])} | {p[0]} | {p[1]} | "
-                    f"{kl_cell(r[DOMAINS[1]])} | {r['tokens_per_second']:.0f} "
+                    f"{r['teacher']} | {held} | {r['tokens_per_second']:.0f} "
                     f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "
                     f"{r['kept']} |")
     return "\n".join(rows)
