@@ -205,7 +205,7 @@ def write_gguf(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | 
         proved = True
     shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
     params = sum(p.numel() for p in model.parameters())
-    note = gguf_file.tokenizer_note(gplan.pre)
+    note = gguf_file.tokenizer_note(gplan.pre, gplan.family)
     saved = saving.Saved("gguf", None, dtype, 0.0, 0.0, proved, ("llama.cpp",) if proved else (), note)
     model_card(run, "gguf", model, params, repo_id, saved, gplan).save(tmp / "README.md")
     return Exported(out, "gguf", params, path.stat().st_size, 0.0, f"gguf-{gplan.arch}", dtype, 0.0, None, proved,
