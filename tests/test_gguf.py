@@ -114,7 +114,7 @@ def test_llama3_rope_goes_in_as_llama_cpps_frequency_divisors():
     torch.testing.assert_close(plain / gguf_file.llama3_rope_factors(rope, 64), scaled.float(), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("family,says", [("gpt2", "not the gpt2 family: prune a Llama or Mistral model"),
+@pytest.mark.parametrize("family,says", [("gpt2", "not the gpt2 family: prune a Llama, Mistral or Gemma 3 model"),
                                          ("gpt_neox", "not the gpt_neox family"),
                                          ("qwen2", "not Qwen2's q/k/v biases"), ("qwen3", "not Qwen3's q/k norms")])
 def test_families_llama_cpp_cannot_take_are_refused_naming_what_would_work(family, says, tmp_path):

@@ -103,13 +103,15 @@ def load(path, trust_remote_code: bool = False):
 
 
 def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = False, push_to_hub: str | None = None,
-               private: bool = False, dtype: str | None = None, allow_changed_base: bool = False):
+               private: bool = False, dtype: str | None = None, allow_changed_base: bool = False,
+               quantize: str | None = None):
     """`pruner export`: a reload-checked checkpoint of a run folder (+ model card), optionally pushed to the Hub.
 
     `compact` is the vanilla form where the family's config can describe the pruned model, else the per-layer
     form (`trust_remote_code=True`, or `pruner.load`). `dtype` (auto|float32|float16|bfloat16) overrides the
     recipe's `export.dtype`; auto stores the base checkpoint's own dtype. `allow_changed_base`: export even
-    when the base model is not the one the run was made from (the model card says so)."""
+    when the base model is not the one the run was made from (the model card says so). `quantize` (gguf only,
+    e.g. q4_k_m, q8_0): also the GGUF quantized by llama.cpp (llama-cpp-python), scored next to the float one."""
     if private and not push_to_hub:
         raise ValueError("private applies only with push_to_hub")
     run_dir = Path(run_dir)
@@ -120,4 +122,4 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
     return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,
-                             allow_changed_base=allow_changed_base, dtype=dtype)
+                             allow_changed_base=allow_changed_base, dtype=dtype, quantize=quantize)

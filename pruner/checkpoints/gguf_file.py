@@ -1,6 +1,8 @@
-"""GGUF for llama.cpp: a compact Llama-family decoder written with llama.cpp's own Python writer (`gguf`).
+"""GGUF for llama.cpp: a compact Llama, Mistral or Gemma 3 decoder written with llama.cpp's own Python writer (`gguf`).
 
-Two llama.cpp architectures hold a pruned Llama or Mistral:
+Each family is a row of `FAMILIES` (data, not branches): the llama.cpp architectures, the tensor names, and
+the conversions llama.cpp's own converter applies to that family. Two llama.cpp architectures hold a pruned
+Llama or Mistral:
 
 - `llama` when every layer keeps the same heads (what `selection.shape: servable` prunes);
 - `deci`, the architecture llama.cpp runs NVIDIA's Nemotron-NAS models with, when layers keep different
@@ -17,6 +19,21 @@ The byte-level BPE tokenizer goes in with its special tokens; llama.cpp knows pr
 GPT-2-style one is written as `gpt-2` and any other as `default` (token ids are unaffected; text may split
 differently: `tokenizer_note` says so). 1-D tensors (norms, biases, rope factors) are float32, as llama.cpp's
 converter stores them; matrices in the export dtype.
+
+Gemma 3 goes in as llama.cpp's `gemma3`, and only with the same heads in every layer: that architecture sizes
+every layer's q/k/v/o and its attention graph from layer 0's head count (`hparams.n_head()`), so per-layer
+counts are refused. Any uniform count runs, 3 of 4 heads included, which transformers' Gemma config refuses.
+As llama.cpp's converter writes Gemma 3: every RMSNorm weight (q/k norms included) stored as 1 + weight
+(Gemma's norm scales by 1 + weight, llama.cpp's by the weight); no q/k permutation (its gemma3 rope rotates
+halves, as transformers does); the sliding window with the per-layer sliding/global pattern written out, and
+the two rope bases (global `rope.freq_base`, local `rope.freq_base_swa`). llama.cpp scales queries by
+1/sqrt(head_dim) whatever `query_pre_attn_scalar` says, so where the two differ the ratio is folded into the
+q-norm weight (exact: the norm is followed only by the rope, which is linear). It has no output-projection
+bias, so mean compensation's folded bias is refused (refit carries its compensation as plain weights). The
+tokenizer (SentencePiece-style BPE with byte fallback in tokenizer.json) goes in as llama.cpp's `llama`
+tokenizer: tokens, scores (the rank of the merge that makes each token, negated: llama.cpp's SentencePiece
+tokenizer merges the highest-scoring pair first, as transformers applies the lowest-ranked merge), types
+(byte, control, user-defined), no space prefix.
 """
 
 from __future__ import annotations
@@ -32,15 +49,38 @@ from pruner.checkpoints import layout as forms
 from pruner.checkpoints.storage import CheckpointError
 from pruner.core import arch
 
-FAMILIES = ("llama", "mistral")
 DTYPES = ("float32", "float16", "bfloat16")
 ROPES = ("default", "linear", "llama3")
 INSTALL = 'pip install "pruner[gguf]"  (the gguf package, llama.cpp\'s own writer)'
 _GPT2_STYLE = {"type": "ByteLevel", "use_regex": True}
-_TENSORS = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj": "ffn_gate",
-            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_ATTENTION = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output"}
+_MLP = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers family goes into llama.cpp, as llama.cpp's own converter writes it."""
+
+    uniform: str                 # llama.cpp architecture when every layer keeps the same heads
+    per_layer: str | None        # ... when layers keep different counts (None: llama.cpp has none that does)
+    tensors: dict[str, str]      # transformers name within a layer -> GGUF name within `blk.<i>.`
+    rope_pairs: bool             # llama.cpp's rope rotates adjacent pairs: permute q/k rows within each head
+    norm_plus_one: bool          # the RMSNorms scale by 1 + weight: stored as 1 + weight
+    tokenizer: str               # gpt2 (byte-level BPE) | llama (SentencePiece-style BPE, byte fallback)
+
+
+LLAMA = Family("llama", "deci", {"input_layernorm.weight": "attn_norm.weight", **_ATTENTION,
+                                 "post_attention_layernorm.weight": "ffn_norm.weight", **_MLP},
+               rope_pairs=True, norm_plus_one=False, tokenizer="gpt2")
+GEMMA3 = Family("gemma3", None, {"input_layernorm.weight": "attn_norm.weight", **_ATTENTION,
+                                 "self_attn.q_norm.weight": "attn_q_norm.weight",
+                                 "self_attn.k_norm.weight": "attn_k_norm.weight",
+                                 "post_attention_layernorm.weight": "post_attention_norm.weight",
+                                 "pre_feedforward_layernorm.weight": "ffn_norm.weight", **_MLP,
+                                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+                rope_pairs=False, norm_plus_one=True, tokenizer="llama")
+FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "gemma3_text": GEMMA3}
 
 
 class GgufError(CheckpointError):
@@ -51,11 +91,12 @@ class GgufError(CheckpointError):
 class Plan:
     """What the GGUF of a compact model holds."""
 
-    arch: str                       # llama | deci
+    arch: str                       # llama | deci | gemma3
     q_heads: tuple[int, ...]        # query heads per layer
     kv_heads: tuple[int, ...]       # key/value heads per layer
     head_dim: int
     pre: str                        # llama.cpp pre-tokenizer name
+    family: Family = LLAMA
 
 
 def require() -> None:
@@ -67,14 +108,19 @@ def require() -> None:
 
 def family_refusal(kind: str, uniform: bool) -> str | None:
     """Why pruner writes no GGUF for a `kind` model (`uniform`: every layer keeps the same heads), naming what
-    would work; None for Llama and Mistral."""
+    would work; None for Llama and Mistral, and Gemma 3 with the same heads in every layer."""
     if kind in FAMILIES:
-        return None
+        if uniform or FAMILIES[kind].per_layer:
+            return None
+        return (f"llama.cpp's {FAMILIES[kind].uniform} architecture sizes every layer from layer 0's head count, "
+                "and this run's layers keep different counts: prune with selection.shape: servable (the same "
+                "heads in every layer), or export --format compact (pruner.load / trust_remote_code)")
     other = ("its uniform plans are vanilla checkpoints: export --format compact and convert with llama.cpp's "
              "convert_hf_to_gguf.py" if kind in ("qwen2", "qwen3") and uniform else
-             "prune a Llama or Mistral model, or export --format compact (pruner.load / trust_remote_code)")
+             "prune a Llama, Mistral or Gemma 3 model, or export --format compact (pruner.load / trust_remote_code)")
     why = {"qwen2": "Qwen2's q/k/v biases", "qwen3": "Qwen3's q/k norms"}.get(kind, f"the {kind} family")
-    return f"pruner writes GGUF for Llama and Mistral (llama.cpp's llama and deci architectures), not {why}: {other}"
+    return ("pruner writes GGUF for Llama and Mistral (llama.cpp's llama and deci architectures) and Gemma 3 "
+            f"(gemma3), not {why}: {other}")
 
 
 def refusal(model) -> str | None:
@@ -83,6 +129,8 @@ def refusal(model) -> str | None:
     family = family_refusal(model.config.model_type, len(set(q)) == 1 and len(set(kv)) == 1)
     if family:
         return family
+    if model.config.model_type == "gemma3_text":
+        return _gemma3_refusal(model)
     rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in ROPES:
         return (f"llama.cpp's llama/deci rope takes {', '.join(ROPES)} scaling, not {rope!r}: export --format compact "
@@ -93,15 +141,44 @@ def refusal(model) -> str | None:
     return None
 
 
+def _gemma3_refusal(model) -> str | None:
+    """What llama.cpp's gemma3 cannot hold of this Gemma 3: an output-projection bias (mean compensation), logit
+    soft-capping inside attention, rope scaling other than linear; None if it holds all of it."""
+    cfg = model.config
+    if any(m.bias is not None for layer in _layers(model) for m in (layer.self_attn.q_proj, layer.self_attn.o_proj)):
+        return ("llama.cpp's gemma3 architecture has no attention biases, and this model has some (mean "
+                "compensation folds one into the output projection): prune with surgery.compensation: refit or "
+                "zero, or export --format compact")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "llama.cpp's gemma3 architecture has no attention logit soft-capping: export --format compact"
+    for kind, rope in _gemma3_ropes(cfg).items():
+        if rope.get("rope_type", "default") not in ("default", "linear" if kind == "full_attention" else "default"):
+            return (f"llama.cpp's gemma3 takes default rope (and linear scaling on global layers), not "
+                    f"{rope.get('rope_type')!r} on {kind} layers: export --format compact")
+    return None
+
+
+def _gemma3_ropes(cfg) -> dict:
+    """Gemma 3's rope per layer type: {"full_attention": {...}, "sliding_attention": {...}}."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return rope if "full_attention" in rope else {"full_attention": rope, "sliding_attention": rope}
+
+
+def _layers(model):
+    return getattr(model, model.base_model_prefix).layers
+
+
 def plan(model, tokenizer) -> Plan:
     """The GGUF plan of a compact model, or GgufError before anything is written."""
     why = refusal(model)
     if why:
         raise GgufError(f"cannot write a GGUF: {why}")
+    family = FAMILIES[model.config.model_type]
     q, kv = forms.head_counts(model)
     uniform = len(set(q)) == 1 and len(set(kv)) == 1
-    return Plan("llama" if uniform else "deci", tuple(q), tuple(kv), arch.geometry(model).head_dim,
-                pre_tokenizer(tokenizer))
+    pre = pre_tokenizer(tokenizer) if family.tokenizer == "gpt2" else spm_check(tokenizer)
+    return Plan(family.uniform if uniform else family.per_layer, tuple(q), tuple(kv), arch.geometry(model).head_dim,
+                pre, family)
 
 
 def pre_tokenizer(tokenizer) -> str:
@@ -116,8 +193,20 @@ def pre_tokenizer(tokenizer) -> str:
     return "gpt-2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
 
 
-def tokenizer_note(pre: str) -> str | None:
-    return None if pre == "gpt-2" else (
+def spm_check(tokenizer) -> str:
+    """`default` for a SentencePiece-style tokenizer.json (BPE over `▁`-joined text, byte fallback: Gemma's),
+    which goes in as llama.cpp's `llama` tokenizer; GgufError for any other."""
+    spec = _tokenizer_json(tokenizer)
+    kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
+    if kind != "BPE" or not fallback:
+        raise GgufError("cannot write a GGUF: pruner carries Gemma's SentencePiece-style BPE tokenizer (byte "
+                        f"fallback) into GGUF, and this one is {kind}{'' if fallback else ' without byte fallback'}: "
+                        "export --format compact")
+    return "default"
+
+
+def tokenizer_note(pre: str, family: Family = LLAMA) -> str | None:
+    return None if pre == "gpt-2" or family.tokenizer == "llama" else (
         "llama.cpp does not know this tokenizer's pre-tokenizer, so the file names `default`: token ids given "
         "directly are exact; text may split into other tokens than transformers' in places")
 
@@ -135,7 +224,10 @@ def write(model, tokenizer, path: Path, dtype: str, gplan: Plan) -> None:
 
     w = gguf.GGUFWriter(str(path), gplan.arch)
     _metadata(w, model, gplan, dtype)
-    _vocab(w, tokenizer, model.config.vocab_size, gplan.pre)
+    if gplan.family.tokenizer == "llama":
+        _spm_vocab(w, tokenizer, model.config.vocab_size)
+    else:
+        _vocab(w, tokenizer, model.config.vocab_size, gplan.pre)
     tensors = list(_tensors(model, gplan))
     for name, t in tensors:
         w.add_tensor_info(name, tuple(t.shape), _np_dtype(t, dtype), t.numel() * _itemsize(t, dtype),
@@ -187,11 +279,34 @@ def _metadata(w, model, gplan: Plan, dtype: str) -> None:
     w.add_rope_dimension_count(gplan.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if gplan.family is GEMMA3:
+        _gemma3_metadata(w, cfg)
+        return
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
+
+
+def _gemma3_metadata(w, cfg) -> None:
+    """Gemma 3's sliding window (with which layers slide, written out rather than llama.cpp's default of every
+    sixth layer global), its global and local rope bases, and its final-logit soft-capping."""
+    import gguf
+
+    ropes = _gemma3_ropes(cfg)
+    full, local = ropes["full_attention"], ropes.get("sliding_attention", ropes["full_attention"])
+    w.add_rope_freq_base(float(full.get("rope_theta", 1_000_000.0)))
+    w.add_rope_freq_base_swa(float(local.get("rope_theta", 10_000.0)))
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+    sliding = [t == "sliding_attention" for t in cfg.layer_types]
+    if any(sliding) and cfg.sliding_window:
+        w.add_sliding_window(int(cfg.sliding_window))
+        w.add_sliding_window_pattern(sliding)
+    if getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
 
 
 def _vocab(w, tokenizer, vocab_size: int, pre: str) -> None:
@@ -220,6 +335,47 @@ def _vocab(w, tokenizer, vocab_size: int, pre: str) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
+    _special_tokens(w, tokenizer)
+
+
+def _spm_vocab(w, tokenizer, vocab_size: int) -> None:
+    """A SentencePiece-style BPE tokenizer as llama.cpp's `llama` tokenizer: tokens by id (padded to the model's
+    vocabulary with unused `[PAD<i>]`), scores from the merge ranks, types, special tokens, no space prefix."""
+    import gguf
+
+    spec = _tokenizer_json(tokenizer)
+    vocab = spec["model"]["vocab"]
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    by_id = {i: tok for tok, i in vocab.items()} | {i: t["content"] for i, t in added.items()}
+    if max(by_id) >= vocab_size:
+        raise GgufError(f"cannot write a GGUF: the tokenizer has ids up to {max(by_id)} and the model "
+                        f"{vocab_size} embeddings")
+    rank = {}
+    for r, m in enumerate(spec["model"].get("merges", [])):
+        rank.setdefault("".join(m.split(" ", 1)) if isinstance(m, str) else "".join(m), r)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    tokens, scores, types = [], [], []
+    for i in range(vocab_size):
+        tok = by_id.get(i)
+        tokens.append(f"[PAD{i}]" if tok is None else tok)
+        scores.append(-float(rank[tok]) if tok in rank else 0.0)
+        types.append(gguf.TokenType.UNUSED if tok is None else
+                     gguf.TokenType.UNKNOWN if i == unk else
+                     (gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+                     if i in added else
+                     gguf.TokenType.BYTE if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") else
+                     gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    _special_tokens(w, tokenizer)
+    w.add_add_space_prefix(False)
+
+
+def _special_tokens(w, tokenizer) -> None:
+    """bos/eos/pad/unk ids, whether text starts with bos (ends with eos), the chat template."""
     for name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("pad", w.add_pad_token_id),
                       ("unk", w.add_unk_token_id)):
         tid = getattr(tokenizer, f"{name}_token_id", None)
@@ -243,10 +399,11 @@ def _tensors(model, gplan: Plan):
     """(GGUF name, tensor) in file order: embeddings, each block (attention only where it keeps heads), head."""
     state = model.state_dict()
     base = model.base_model_prefix
+    family = gplan.family
     yield "token_embd.weight", state[f"{base}.embed_tokens.weight"]
     for i in range(model.config.num_hidden_layers):
         prefix = f"{base}.layers.{i}."
-        for hf, name in _TENSORS.items():
+        for hf, name in family.tensors.items():
             if gplan.q_heads[i] == 0 and (hf.startswith("self_attn") or hf.startswith("input_layernorm")):
                 continue  # llama.cpp's attention-free deci layer: no norm, no projections
             for leaf in (("",) if hf.endswith(".weight") else (".weight", ".bias")):
@@ -254,17 +411,30 @@ def _tensors(model, gplan: Plan):
                 if key not in state:
                     continue
                 t = state[key]
-                if hf == "self_attn.q_proj":
+                if family.rope_pairs and hf == "self_attn.q_proj":
                     t = _permute(t, gplan.q_heads[i])
-                elif hf == "self_attn.k_proj":
+                elif family.rope_pairs and hf == "self_attn.k_proj":
                     t = _permute(t, gplan.kv_heads[i])
+                if family.norm_plus_one and hf.endswith("norm.weight"):
+                    t = t.float() + 1.0
+                if hf == "self_attn.q_norm.weight":
+                    t = t * _query_scale_ratio(model.config, gplan)
                 yield f"blk.{i}.{name}{leaf}", t
-    yield "output_norm.weight", state[f"{base}.norm.weight"]
+    norm = state[f"{base}.norm.weight"]
+    yield "output_norm.weight", norm.float() + 1.0 if family.norm_plus_one else norm
     if not model.config.tie_word_embeddings:
         yield "output.weight", state["lm_head.weight"]
     rope = getattr(model.config, "rope_parameters", None) or {}
     if rope.get("rope_type") == "llama3":
         yield "rope_freqs.weight", llama3_rope_factors(rope, gplan.head_dim)
+
+
+def _query_scale_ratio(cfg, gplan: Plan) -> float:
+    """transformers' Gemma 3 query scale (query_pre_attn_scalar ** -0.5) over llama.cpp's gemma3 one
+    (1/sqrt(head_dim); 1/sqrt(hidden / heads) for its 62-layer 27B): folded into the q-norm weight."""
+    ours = cfg.query_pre_attn_scalar ** -0.5
+    theirs = (cfg.hidden_size / gplan.q_heads[0] if cfg.num_hidden_layers == 62 else gplan.head_dim) ** -0.5
+    return ours / theirs
 
 
 def llama3_rope_factors(rope: dict, dim: int) -> torch.Tensor:
@@ -299,14 +469,18 @@ def structure(path: Path) -> dict:
         v = r.fields[f"{arch_name}.attention.{key}"].contents()
         return [int(x) for x in v] if isinstance(v, list) else [int(v)] * n_layers
 
-    field = lambda k: r.fields[k].contents() if k in r.fields else None  # noqa: E731
+    def field(key: str):
+        return r.fields[key].contents() if key in r.fields else None
+
     return {"arch": arch_name, "layers": n_layers, "q_heads": per_layer("head_count"),
             "kv_heads": per_layer("head_count_kv"), "key_length": field(f"{arch_name}.attention.key_length"),
             "value_length": field(f"{arch_name}.attention.value_length"),
             "rope_dim": field(f"{arch_name}.rope.dimension_count"), "file_type": field("general.file_type"),
             "tensors": {t.name: (tuple(int(x) for x in reversed(t.shape)), t.tensor_type.name) for t in r.tensors},
             "tokens": len(r.fields["tokenizer.ggml.tokens"].data), "pre": field("tokenizer.ggml.pre"),
-            "bos": field("tokenizer.ggml.bos_token_id"), "eos": field("tokenizer.ggml.eos_token_id")}
+            "bos": field("tokenizer.ggml.bos_token_id"), "eos": field("tokenizer.ggml.eos_token_id"),
+            "tokenizer": field("tokenizer.ggml.model"), "sliding_window": field(f"{arch_name}.attention.sliding_window"),
+            "sliding": field(f"{arch_name}.attention.sliding_window_pattern")}
 
 
 def check_structure(path: Path, model, gplan: Plan, dtype: str) -> dict:

@@ -31,6 +31,7 @@ and compact exports are written and checked a block at a time
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -45,10 +46,11 @@ from pruner.core.redact import redact
 from pruner.pruning import surgery
 from pruner.runs import provenance
 from pruner.runs.card import model_card
-from pruner.runs.context import sequential_folder
+from pruner.runs.context import evaluation_windows, sequential_folder
 from pruner.runs.folders import Run, load_run, recipe_storage_dtype, save_checkpoint
 
 FORMATS = ("dense", "compact", "onnx", "gguf")
+QUANT_WINDOWS = 16  # evaluation windows a quantized GGUF is scored on, next to the float one
 ATOL = saving.ATOL
 ExportError = storage.CheckpointError  # a checkpoint that cannot be written (or would not reload)
 
@@ -108,12 +110,31 @@ class Exported:
     why_per_layer: str | None = None
     generation: bool | None = None   # greedy generation with the KV cache identical (None: not a causal LM)
     note: str | None = None          # vanilla as another family's class (a Llama as MistralForCausalLM): why
+    quantized: Quantized | None = None  # gguf --quantize: the quantized file beside model.gguf
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized GGUF beside the float one it came from, both scored in llama.cpp on the same windows."""
+
+    name: str                        # llama.cpp's type: q4_k_m, q8_0, ...
+    file: str                        # model-<name>.gguf
+    bytes: int
+    windows: int                     # perplexity windows of the run's evaluation text (0: none scored)
+    perplexity: float | None         # the quantized file's
+    float_perplexity: float | None   # model.gguf's, on the same windows
+    top1_agreement: float | None     # share of scored positions where both files' argmax is the same token
 
 
 def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
-                 dtype: str | None = None) -> Exported:
-    """Rebuild, check, write to a temporary folder, reload-verify, add card + plan.json, rename to `out`."""
+                 dtype: str | None = None, quantize: str | None = None) -> Exported:
+    """Rebuild, check, write to a temporary folder, reload-verify, add card + plan.json, rename to `out`
+    (`quantize`, gguf only: also a llama.cpp-quantized file of that type)."""
     out = Path(out)
+    if quantize is not None:  # an unknown type, or no quantizer, fails before anything is rebuilt
+        why = "--quantize applies only with --format gguf" if fmt != "gguf" else llamacpp.quant_refusal(quantize)
+        if why:
+            raise ExportError(why)
     if fmt == "onnx":
         onnx.require()  # a missing extra fails before anything is rebuilt
     if fmt == "gguf":  # a missing extra, or a family llama.cpp cannot take, fails before anything is rebuilt
@@ -132,7 +153,7 @@ def write_export(run: Run, fmt: str, out: Path, overwrite: bool = False, repo_id
         if fmt == "onnx":
             return write_onnx(run, model, tokenizer, tmp, out, repo_id, dtype if dtype in onnx.PRECISIONS else "float32")
         if fmt == "gguf":
-            return write_gguf(run, model, tokenizer, tmp, out, repo_id, storage_dtype(run, dtype))
+            return write_gguf(run, model, tokenizer, tmp, out, repo_id, storage_dtype(run, dtype), quantize)
         saved = save_checkpoint(model, tokenizer, tmp, fmt == "compact", storage_dtype(run, dtype))
         return _with_card(run, fmt, model, saved, tmp, out, repo_id)
 
@@ -186,10 +207,13 @@ def write_onnx(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | 
     return Exported(out, "onnx", params, size, 0.0, "onnx", dtype, 0.0, None, True)
 
 
-def write_gguf(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | None, dtype: str) -> Exported:
+def write_gguf(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | None, dtype: str,
+               quantize: str | None = None) -> Exported:
     """The compact model as one GGUF file for llama.cpp (`llama` when every layer keeps the same heads, `deci`
-    otherwise), its structure read back, and -- with llama-cpp-python installed -- its greedy generation in
-    llama.cpp checked against PyTorch's on a float32 GGUF of the same model."""
+    otherwise, `gemma3` for Gemma 3), its structure read back, and -- with llama-cpp-python installed -- its
+    greedy generation in llama.cpp checked against PyTorch's on a float32 GGUF of the same model. `quantize`:
+    model.gguf quantized by llama.cpp into model-<type>.gguf beside it (in the temporary folder, so a failure
+    leaves nothing), both scored in llama.cpp on the run's evaluation windows."""
     model = model.float().eval()  # the check compares float32 with float32
     gplan = gguf_file.plan(model, tokenizer)  # refused in one line before anything is written
     path = tmp / "model.gguf"
@@ -205,11 +229,27 @@ def write_gguf(run: Run, model, tokenizer, tmp: Path, out: Path, repo_id: str | 
         proved = True
     shutil.copyfile(run.folder / "plan.json", tmp / "plan.json")
     params = sum(p.numel() for p in model.parameters())
-    note = gguf_file.tokenizer_note(gplan.pre)
+    note = gguf_file.tokenizer_note(gplan.pre, gplan.family)
     saved = saving.Saved("gguf", None, dtype, 0.0, 0.0, proved, ("llama.cpp",) if proved else (), note)
+    quantized = quantized_beside(run, model, tokenizer, path, quantize) if quantize else None
     model_card(run, "gguf", model, params, repo_id, saved, gplan).save(tmp / "README.md")
     return Exported(out, "gguf", params, path.stat().st_size, 0.0, f"gguf-{gplan.arch}", dtype, 0.0, None, proved,
-                    note)
+                    note, quantized)
+
+
+def quantized_beside(run: Run, model, tokenizer, path: Path, qtype: str, windows: int = QUANT_WINDOWS) -> Quantized:
+    """`path` quantized to `qtype` by llama.cpp as model-<qtype>.gguf beside it; both files' perplexity and their
+    top-1 agreement on the first `windows` windows of the run's evaluation text (llama.cpp on both)."""
+    dst = path.with_name(f"model-{qtype}.gguf")
+    llamacpp.quantize(path, dst, qtype)
+    ev = evaluation_windows(run.recipe, model, tokenizer, causal=True)
+    ids, labels = ev.input_ids[:windows], ev.labels[:windows]  # (window, q_pos)
+    nll_f, count, top_f = llamacpp.window_scores(path, ids, labels)
+    nll_q, _, top_q = llamacpp.window_scores(dst, ids, labels)
+    if not count:
+        return Quantized(qtype, dst.name, dst.stat().st_size, 0, None, None, None)
+    return Quantized(qtype, dst.name, dst.stat().st_size, len(ids), math.exp(nll_q / count), math.exp(nll_f / count),
+                     float((top_f == top_q).float().mean()))
 
 
 def commit_message(run: Run, fmt: str) -> str:
@@ -252,7 +292,7 @@ def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -
 
 def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
                private: bool = False, allow_changed_base: bool = False,
-               dtype: str | None = None) -> tuple[Exported, str | None]:
+               dtype: str | None = None, quantize: str | None = None) -> tuple[Exported, str | None]:
     """`pruner export`: write the export, then push it when `repo_id` is given. Returns (export, url).
 
     A base model that is not the one the run was made from (provenance.json) is
@@ -264,6 +304,6 @@ def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, repo
     run = load_run(run_dir)
     note = provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
     run = dataclasses.replace(run, base_note=note)
-    done = write_export(run, fmt, out, overwrite, repo_id, dtype)
+    done = write_export(run, fmt, out, overwrite, repo_id, dtype, quantize)
     url = push(done.folder, repo_id, private, commit_message(run, fmt)) if repo_id else None
     return done, url
