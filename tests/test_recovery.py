@@ -160,7 +160,7 @@ def pair(family: str = "gpt2", heads=None, mode: str = "remove"):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["full", "lora", "attention"])
+@pytest.mark.parametrize("method", ["full", "blocks", "lora", "attention"])
 def test_each_method_lowers_the_validation_kl_and_returns_a_plain_model(word_tokenizer, method):
     teacher, student, _ = pair()
     before = {n: p.detach().clone() for n, p in student.named_parameters()}
@@ -175,6 +175,10 @@ def test_each_method_lowers_the_validation_kl_and_returns_a_plain_model(word_tok
         assert changed and all(".attn." in n for n in changed), changed
     else:
         assert any(".mlp." in n for n in changed)
+    if method == "blocks":  # the embeddings, the final norm and the head stay the base's
+        assert changed and all(n.startswith("transformer.h.") for n in changed), changed
+    elif method == "full":
+        assert "transformer.wte.weight" in changed
 
 
 @pytest.mark.integration

@@ -22,7 +22,7 @@ from tests.test_recovery import QUICK, Killed, pair, texts
 
 @pytest.mark.unit
 @pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
-@pytest.mark.parametrize("method", ["full", "lora", "attention"])
+@pytest.mark.parametrize("method", ["full", "blocks", "lora", "attention"])
 def test_the_trained_weights_are_the_ones_the_optimizer_gets(family, method):
     _, student, _ = pair(family)
     counted = sum(memory.trained_tensors(student, method, rank=8))

@@ -72,11 +72,9 @@ def shape(teacher) -> dict[str, int]:
 def trained_tensors(student, method: str, rank: int = 8) -> list[int]:
     """The sizes of the tensors `method` trains in `student` (LoRA: its adapters, rank x in and out x rank per
     projection)."""
-    if method == "full":
-        return [p.numel() for p in student.parameters()]
-    if method == "attention":
-        own = tuple(methods._attention_prefixes(student))
-        return [p.numel() for n, p in student.named_parameters() if n.startswith(own)]
+    if method in ("full", "blocks", "attention"):
+        own = methods.trained_prefixes(student, method)
+        return [p.numel() for n, p in student.named_parameters() if own is None or n.startswith(own)]
     modules = dict(student.named_modules())
     sizes = []
     for name in methods._projections(student):

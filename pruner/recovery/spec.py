@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-METHODS = ("full", "lora", "attention")
+METHODS = ("full", "blocks", "lora", "attention")
 GENERATED = "generated"  # text sampled from the teacher itself
 
 
@@ -17,7 +17,9 @@ class RecoverySpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
     enabled: bool = Field(False, description="`pruner prune` recovers after the surgery (pruner recover always does)")
-    method: str | None = Field(None, description="full: every kept weight; lora: PEFT LoRA on the attention and "
+    method: str | None = Field(None, description="full: every kept weight; blocks: every weight of the transformer "
+                                                 "blocks (embeddings, final norm and LM head stay the base's); "
+                                                 "lora: PEFT LoRA on the attention and "
                                                  "MLP projections, merged at the end; attention: only the kept "
                                                  "heads' projections; unset: full where the student's training "
                                                  "state and the teacher fit the free memory, else lora")
@@ -65,7 +67,7 @@ class RecoverySpec(BaseModel):
         return self
 
     def peak_lr(self) -> float:
-        """The learning rate: `lr`, else 1e-4 for every weight (`full`, `attention`) and 1e-3 for LoRA's adapters --
+        """The learning rate: `lr`, else 1e-4 for every weight (`full`, `blocks`, `attention`) and 1e-3 for LoRA's adapters --
         chosen on the held-back validation slice of the shipped decoders (docs/recovery.md, `eval/studies/recovery/dev.py`:
         1e-4 the lowest validation KL of 1e-3 ... 3e-5 on the Llama and GPT-2 at 50%; 1e-3 overshoots on all three;
         Minitron uses 1e-4 at billions of parameters)."""
