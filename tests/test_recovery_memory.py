@@ -97,8 +97,10 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
     teacher, student, _ = pair()
     spec = RecoverySpec(**{**QUICK, "teacher": "cached", "top_k": 64, "method": "full"})
     ev = sliding_windows(word_tokenizer, texts(8, seed=5), 16)
-    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
-                                         options=recovery_stage.Options(progress=False), texts=texts())
+    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec,
+                                         measures=recovery_stage.Measures(ev),
+                                         options=recovery_stage.Options(progress=False),
+                                         text=recovery_stage.RecoveryText(texts()))
     devices, real = [], recovery_stage.train
 
     def watching(model, targets, *args, **kwargs):
@@ -106,9 +108,11 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
         return real(model, targets, *args, **kwargs)
     monkeypatch.setattr(recovery_stage, "train", watching)
     let_go = copy.deepcopy(teacher)
-    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
-                                          options=recovery_stage.Options(progress=False), texts=texts(),
-                                          reload_teacher=lambda: copy.deepcopy(teacher))
+    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec,
+                                          measures=recovery_stage.Measures(ev),
+                                          options=recovery_stage.Options(progress=False),
+                                          text=recovery_stage.RecoveryText(texts()),
+                                          access=recovery_stage.TeacherAccess(reload=lambda: copy.deepcopy(teacher)))
     assert devices == ["meta"]  # no teacher weight in memory while the student trained
     assert freed.record["memory_estimate"]["teacher"] == 0 < held.record["memory_estimate"]["teacher"]
     assert freed.record["perplexity"] == held.record["perplexity"]  # the scores after: the teacher read again

@@ -102,7 +102,7 @@ def cases(model, batch, batch_size: int) -> dict:
     from pruner.attention.capture import CaptureConfig
     from pruner.attention.sinks import SinkSpec
     from pruner.core.runtime import forward
-    from pruner.pruning.calibrate import calibrate, gradient_importance
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate, gradient_importance
 
     config = CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True)  # prune's default capture
 
@@ -112,7 +112,8 @@ def cases(model, batch, batch_size: int) -> dict:
             forward(model, b.input_ids, b.attention_mask)
 
     return {"plain": plain,
-            "calibrate": lambda: calibrate(model, batch, SinkSpec("first"), config=config, batch_size=batch_size),
+            "calibrate": lambda: calibrate(model, batch, SinkSpec("first"), config=config,
+                                           options=CalibrationOptions(batch_size=batch_size)),
             "gradient": lambda: gradient_importance(model, batch)}
 
 

@@ -37,7 +37,7 @@ from pruner.core import arch, assets, data
 from pruner.core.tables import change_cell, markdown_table
 from pruner.evaluation.perplexity import masked_lines, paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 from pruner.pruning.compensation import compensate, refit_layer, refit_sequential
 from pruner.pruning.scoring import SCORERS, Scorer, get_scorer
 from pruner.pruning.selection import SelectionConfig, SelectionError, select
@@ -108,8 +108,8 @@ def main() -> None:
         cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
         dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
         sinks = SinkSpec("first")
-    inputs = calibrate(model, cal, sinks, tok, gradient="gradient" in scorers,
-                       config=CaptureConfig(metrics=("cosine",), outputs=True), ridge=args.ridge, seed=0)
+    inputs = calibrate(model, cal, sinks, tok, config=CaptureConfig(metrics=("cosine",), outputs=True),
+                       options=CalibrationOptions(gradient="gradient" in scorers, ridge=args.ridge, seed=0))
     outputs = inputs.stats.outputs
 
     def collect():

@@ -123,7 +123,7 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     import dataclasses
 
     from pruner.analysis import convention
-    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.capture import Capture, CaptureConfig, capture_stats
     from pruner.core.version import __version__
 
     options.setdefault("metrics", ["cosine", "js"])
@@ -161,10 +161,9 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     res.update(convention.analyze(stats, config))
     ref_stats = None
     if reference is not None:
-        ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
-                                                                                  metrics=()),
-                                  batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints,
-                                  name="reference")
+        with Capture(reference, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size, metrics=())) as cap:
+            cap.run(batch, batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints, name="reference")
+        ref_stats = cap.result()
         res["entropy_attribution"] = {"reference": ref_name, **convention.entropy_attribution(ref_stats, stats),
                                       "reference_heads": convention.head_tables(ref_stats)}
     return Analysis(res, stats, ref_stats, prov)

@@ -372,11 +372,11 @@ def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.
 
 def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
                   config: CaptureConfig = CaptureConfig(), batch_size: int = 8,
-                  progress: bool = False, checkpoints: resume.Checkpoints = resume.NONE,
-                  name: str = "capture") -> sums.HeadStats:
-    """One call: capture statistics of `batch` and return the finalised head statistics."""
+                  progress: bool = False, checkpoints: resume.Checkpoints = resume.NONE) -> sums.HeadStats:
+    """One call: capture statistics of `batch` and return the finalised head statistics (checkpointed as stage
+    `capture`; another stage name: `Capture.run`)."""
     with Capture(model, sinks, tokenizer, config) as cap:
-        cap.run(batch, batch_size=batch_size, progress=progress, checkpoints=checkpoints, name=name)
+        cap.run(batch, batch_size=batch_size, progress=progress, checkpoints=checkpoints, name="capture")
     return cap.result()
 
 
