@@ -150,7 +150,8 @@ def test_the_cache_built_a_window_at_a_time_holds_what_the_whole_batch_gives(tmp
     teacher, _, _ = pair("llama")
     ids = torch.randint(0, teacher.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(0))
     w = data.TokenBatch(ids, torch.ones_like(ids))
-    cache = rteacher.Cached.build(teacher.eval(), w, tmp_path, k=5, batch_size=4, m=3, seed=7)
+    cache = rteacher.Cached.build(teacher.eval(), w, tmp_path, rteacher.CacheSpec(k=5, tail_samples=3, seed=7),
+                                  batch_size=4)
     with torch.no_grad():  # the batches the cache ran, each whole through the loss's functions
         logits = torch.cat([rteacher.forward_logits(teacher, ids[s], w.attention_mask[s])
                             for s in (slice(0, 4), slice(4, 6))])

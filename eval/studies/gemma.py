@@ -86,9 +86,9 @@ def spread(windows: EvalWindows, n: int) -> EvalWindows:
 def session(corpora: list[list[str]], settings: list[str]):
     """The recipe's session with the calibration samples drawn from `corpora` in equal shares."""
     recipe = load_recipe(RECIPE, SETTINGS + settings)
-    s = context.prepare(recipe, progress=False, evaluation=False, calibration_texts=corpora[0])
-    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128, num_samples=64, seed=0,
-                                                     holdout=0)
+    s = context.prepare(recipe, progress=False, evaluation=False, given=context.Given(calibration_texts=corpora[0]))
+    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128,
+                                                     draw=mixture.Draw(num_samples=64, seed=0, holdout=0))
     return s
 
 

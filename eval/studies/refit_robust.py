@@ -229,7 +229,7 @@ def scores(s, windows, heads=None, comp=None):
 def study(model: str, split: str, n_windows: int, names: list[str]) -> list[dict]:
     cal, kinds = texts(split)
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS)
-    s = context.prepare(r, progress=False, evaluation=False, calibration_texts=cal)
+    s = context.prepare(r, progress=False, evaluation=False, given=context.Given(calibration_texts=cal))
     docs = documents(s.tokenizer, cal, s.calibration, r.calibration.length, r.calibration.num_samples,
                      r.calibration.seed)
     n = len(s.calibration)
@@ -281,7 +281,7 @@ def energies(model: str, kinds: list[str]) -> None:
 
     cal, texts_ = texts("dev")
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS)
-    s = context.prepare(r, progress=False, evaluation=False, calibration_texts=cal)
+    s = context.prepare(r, progress=False, evaluation=False, given=context.Given(calibration_texts=cal))
     scorer, geom = get_scorer(r.scorer.name), arch.geometry(s.model)
     inputs = pipeline.scoring_inputs(s, [scorer], CurveRequest((curve_key(scorer, geom, pipeline.selection_config(
         r, s.model, 0.25)),)), ["mean", "refit"], progress=False)

@@ -121,5 +121,5 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
     if folders.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
-    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,
+    return export.export_run(run_dir, format, out, overwrite, export.Hub(push_to_hub, private),
                              allow_changed_base=allow_changed_base, dtype=dtype, quantize=quantize)

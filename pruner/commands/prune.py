@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     ex = recipe.export
     if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
         try:
-            done = export.export_run(out, ex.format, out / f"export-{ex.format}", repo_id=ex.push_to_hub,
-                                     private=ex.private)
+            done = export.export_run(out, ex.format, out / f"export-{ex.format}",
+                                     hub=export.Hub(ex.push_to_hub, ex.private))
         except export.ExportError as e:
             raise export.ExportError(f"{e} (the run itself is complete in {out}/)") from None
         print_export(*done)

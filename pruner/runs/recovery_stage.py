@@ -90,8 +90,9 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
     every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
                             torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
     folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
-    return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress,
-                                 spec.tail_samples, spec.seed, onloader)
+    return rteacher.Cached.build(teacher, every, folder,
+                                 rteacher.CacheSpec(spec.top_k, spec.temperature, spec.tail_samples, spec.seed),
+                                 spec.batch_size, progress, onloader)
 
 
 def check_layerwise_teacher(spec: RecoverySpec) -> None:
