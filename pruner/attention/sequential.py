@@ -57,12 +57,7 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     finish, rerun, batch_size = end.finish, end.rerun, options.batch_size
     device = torch.device(options.device)
     g = arch.geometry(model)
-    K = config.folds
-    folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
-    mine = distributed.shard(batch)
-    reduce_now = distributed.world_size() > 1 or config.moments != "float64"
-    _check_windows(len(batch), len(mine), rerun is not None or reduce_now)
-    parts = list(mine.batches(batch_size))
+    folds, parts, reduce_now = _share(batch, config, batch_size, rerun is not None)
     bar = tqdm(total=g.n_layers, desc="capture (layer by layer)", unit="layer") if options.progress else None
     with Capture(model, sinks, tokenizer, config) as cap:
         views = [cap.forward_batch(b.input_ids.to(device), b.attention_mask.to(device),
@@ -95,8 +90,20 @@ def capture_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, conf
     return None if rerun is not None else cap.result()
 
 
+def _share(batch: TokenBatch, config: CaptureConfig, batch_size: int, rerun: bool):
+    """This process's share of the windows: (each window's fold (N,) or None, its batches, whether each layer is
+    reduced over processes as it finishes). A pass that reduces each layer as it goes needs a window on every
+    process (else a process would wait forever)."""
+    K = config.folds
+    folds = torch.tensor(distributed.shard_indices(len(batch)), dtype=torch.long) % K if K else None
+    mine = distributed.shard(batch)
+    reduce_now = distributed.world_size() > 1 or config.moments != "float64"
+    _check_windows(len(batch), len(mine), rerun or reduce_now)
+    return folds, list(mine.batches(batch_size)), reduce_now
+
+
 def _check_windows(n_windows: int, n_mine: int, reduces_per_layer: bool) -> None:
-    """A pass that reduces each layer as it goes needs a window on every process (else a process waits forever)."""
+    """A pass that reduces each layer as it goes needs a window on every process."""
     if reduces_per_layer and min(distributed.all_objects(n_mine)) == 0:
         raise ValueError(f"{distributed.world_size()} processes and {n_windows} calibration windows: a layer-by-layer "
                          "pass that reduces each layer as it goes needs a window for every process; use fewer "

@@ -164,20 +164,14 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
     example. Weights get no gradient. With several processes each takes its share of the windows and the
     sums are added in rank order.
     """
-    causal = attends_causally(model)
-    if not causal and not (hasattr(model, "cls") or hasattr(model, "lm_head")):
-        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    causal = _lm_kind(model)
     g = arch.geometry(model)
     inputs, attn, labels = _loss_batches(batch, tokenizer, causal, seed, batch_size)
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
     bar = tqdm(total=2 * g.n_layers, desc="gradient (layer by layer)", unit="layer") if progress else None
     try:
         with for_mask_gradients(model), spilled(onloader, keep_every_layer=True) as spill:
-            calls = first_block_calls(model, list(zip(inputs, attn)), device)
-            kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
-            run_blocks(onloader, calls, g.n_layers, device,
-                       BlockHooks(before_call=lambda layer, i: kept[layer].append(calls[i].hidden)),
-                       progress=bar, spill=spill)
+            calls, kept = _forward_keeping_inputs(model, onloader, list(zip(inputs, attn)), device, bar, spill)
 
             def keep(slot, i, x):
                 return x if spill is None or x is None else spill.put(slot, i, x)
@@ -199,6 +193,27 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
             bar.close()
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def _lm_kind(model) -> bool:
+    """Whether the model is a causal LM (else a masked LM); refused without a language-model head."""
+    causal = attends_causally(model)
+    if not causal and not (hasattr(model, "cls") or hasattr(model, "lm_head")):
+        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    return causal
+
+
+def _forward_keeping_inputs(model, onloader: Onloader, batches: list, device, bar, spill
+                            ) -> tuple[list[BlockCall], list[list[torch.Tensor]]]:
+    """The forward pass a block at a time, keeping every block's input for every batch (for the backward pass):
+    (the calls, with the last block's outputs; [layer][batch] inputs)."""
+    n_layers = arch.geometry(model).n_layers
+    calls = first_block_calls(model, batches, device)
+    kept: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # each block's inputs, per batch
+    run_blocks(onloader, calls, n_layers, device,
+               BlockHooks(before_call=lambda layer, i: kept[layer].append(calls[i].hidden)),
+               progress=bar, spill=spill)
+    return calls, kept
 
 
 def _loss_batches(batch: TokenBatch, tokenizer, causal: bool, seed: int, batch_size: int
