@@ -224,7 +224,7 @@ def compare_processes(args, folder: Path, env: dict) -> None:
     write(f"{args.model}-{args.procs}proc", r)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many blocks")
@@ -237,7 +237,11 @@ def main() -> None:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--procs-case", help=argparse.SUPPRESS)
     ap.add_argument("--dump", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.procs_case:  # a child of --procs: one process of the group
         r = procs_case(Path(args.procs_case), args.windows, args.length, args.ridge, args.threads, Path(args.dump))
         if r is not None:

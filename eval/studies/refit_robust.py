@@ -226,6 +226,18 @@ def scores(s, windows, heads=None, comp=None):
     return nll, count
 
 
+def compensations(m, heads: dict[int, list[int]], outputs, folds: dict, names: list[str], model: str
+                  ) -> tuple[dict, dict]:
+    """({compensation: (its fit, {layer: ridge})} for zero, mean, refit and the candidates `names`, and each one's
+    signature: a candidate that chose the same fit as another is scored once)."""
+    comps = {"zero": (surgery.Compensation(), {}), "mean": (compensate(m, heads, outputs, "mean"), {})}
+    old = compensate(m, heads, outputs, "refit", "auto", folds["mod4"])
+    comps["refit"] = (old, {k: v["ridge"] for k, v in old.fits.items()})
+    for name in names:
+        comps[name] = candidate(m, heads, outputs, folds, name, comps["refit"][1])
+    return comps, signatures(comps, model)
+
+
 def study(model: str, split: str, n_windows: int, names: list[str]) -> list[dict]:
     cal, kinds = texts(split)
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS)
@@ -249,12 +261,7 @@ def study(model: str, split: str, n_windows: int, names: list[str]) -> list[dict
     out = []
     for target in TARGETS:
         plan = select(scorer, inputs, geom, pipeline.selection_config(r, s.model, target))
-        comps = {"zero": (surgery.Compensation(), {}), "mean": (compensate(s.model, plan.heads, outputs, "mean"), {})}
-        old = compensate(s.model, plan.heads, outputs, "refit", "auto", folds["mod4"])
-        comps["refit"] = (old, {k: v["ridge"] for k, v in old.fits.items()})
-        for name in names:
-            comps[name] = candidate(s.model, plan.heads, outputs, folds, name, comps["refit"][1])
-        same = signatures(comps, model)
+        comps, same = compensations(s.model, plan.heads, outputs, folds, names, model)
         for kind, w in evals.items():
             mean_scores, seen = None, {}
             for name, (comp, ridges) in comps.items():
