@@ -27,7 +27,7 @@ def main() -> None:
     from pruner.core import arch, distributed
     from pruner.core.data import pad
     from pruner.evaluation.perplexity import EvalWindows, window_nll
-    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate
     from pruner.pruning.compensation import compensate, refit_sequential
     from pruner.pruning.scoring import get_scorer
     from pruner.pruning.selection import SelectionConfig, select
@@ -36,7 +36,7 @@ def main() -> None:
     for family in ("gpt2", "llama"):
         model = tiny_model(family)
         batch = pad(ragged_batch(seed=3, n=7), 0)  # 7 samples: uneven shards (4 + 3)
-        inputs = calibrate(model, batch, SinkSpec("first"), gradient=True, batch_size=2)
+        inputs = calibrate(model, batch, SinkSpec("first"), options=CalibrationOptions(gradient=True, batch_size=2))
         stats = {k: v for k, v in asdict(inputs.stats).items() if isinstance(v, torch.Tensor)}
         stats.update({f"pairs/{k}": v for k, v in inputs.stats.pairs.items()})
         stats.update({f"outputs/{i}/{k}": v for i, m in enumerate(inputs.stats.outputs)
@@ -56,10 +56,10 @@ def main() -> None:
         comp = {f"{name}/{kind}/{layer}": v for name, c in (("oneshot", refit), ("sequential", seq))
                 for kind in ("bias", "weight") for layer, v in getattr(c, kind).items()}
         from pruner.attention.sequential import capture_layerwise
-        from pruner.core.layerwise import Resident
+        from pruner.core.layerwise import PassOptions, Resident
 
         layered = capture_layerwise(model, batch, SinkSpec("first"), None, CaptureConfig(
-            metrics=("cosine", "js"), outputs=True, folds=3), Resident(model, "cpu"), batch_size=2)
+            metrics=("cosine", "js"), outputs=True, folds=3), Resident(model, "cpu"), PassOptions(batch_size=2))
         if layered is not None:  # several processes: only rank 0 keeps the layer-by-layer sums
             stats.update({f"layerwise/outputs/{i}/joint": m.joint for i, m in enumerate(layered.outputs)})
             stats.update({f"layerwise/folds/{i}/joint": m.joint for i, m in enumerate(layered.folds)})

@@ -13,7 +13,7 @@ from pruner.attention.sinks import SinkSpec
 from pruner.core.data import pad
 from pruner.pruning import scoring, surgery
 from pruner.pruning.ablation import AblationRequest
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 
 pytestmark = pytest.mark.integration
 AUTO = {"calibration": {"num_samples": 12, "holdout": 4, "length": 64},
@@ -109,15 +109,16 @@ def test_the_shortlist_measures_the_proxys_cheapest_heads_and_keeps_the_rest_abo
     model = tiny_model("gpt2")
     batch = pad(ragged_batch(seed=3, n=12, min_len=20, max_len=30), 0)
     req = AblationRequest("mean", 4, 0.5, ("ablation", "ablation-shortlist"))
-    inputs = calibrate(model, batch, SinkSpec("first"), ablation=req, ridge=1e-3)
+    inputs = calibrate(model, batch, SinkSpec("first"), options=CalibrationOptions(ablation=req, ridge=1e-3))
     short = inputs.shortlist
     assert short.shape == (2, 4) and short.sum(1).tolist() == [2, 2]
     scores = scoring.get_scorer("ablation-shortlist")(inputs, torch.ones(2, 4, dtype=torch.bool))
     assert torch.equal(scores[short], inputs.ablation[short])
     assert scores[~short].min() > scores[short].max()
     assert inputs.costs["ablation-shortlist"]["passes"] == 5 and inputs.costs["ablation"]["passes"] == 9
-    alone = calibrate(model, batch, SinkSpec("first"), ridge=1e-3,
-                      ablation=AblationRequest("mean", 4, 0.5, ("ablation-shortlist",)))
+    alone = calibrate(model, batch, SinkSpec("first"),
+                      options=CalibrationOptions(ridge=1e-3,
+                                                 ablation=AblationRequest("mean", 4, 0.5, ("ablation-shortlist",))))
     assert torch.equal(alone.shortlist, short) and torch.isnan(alone.ablation[~short]).all()
     torch.testing.assert_close(alone.ablation[short], inputs.ablation[short], rtol=0, atol=1e-9)
     assert alone.costs["ablation-shortlist"]["passes"] == 5

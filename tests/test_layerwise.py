@@ -13,14 +13,14 @@ import torch
 from tiny import ragged_batch, tiny_model
 
 from pruner.attention.capture import CaptureConfig, capture_stats
-from pruner.attention.sequential import capture_layerwise
+from pruner.attention.sequential import LayerEnd, capture_layerwise
 from pruner.attention.sinks import SinkSpec
 from pruner.checkpoints.lazy import lazy_model
 from pruner.checkpoints.storage import CheckpointError, check_shards
 from pruner.cli import main
 from pruner.core import assets, shapes
 from pruner.core.data import TextSource, load_texts, pad, token_windows
-from pruner.core.layerwise import Resident
+from pruner.core.layerwise import PassOptions, Resident
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_layer_by_layer_equals_all_resident_on_every_family(family, side):
     sinks = SinkSpec("first")
     cfg = CaptureConfig(metrics=("cosine", "js"), outputs=True, folds=3, channels=family == "llama")
     a = capture_stats(model, batch, sinks, config=cfg, batch_size=4)
-    b = capture_layerwise(model, batch, sinks, None, cfg, Resident(model, "cpu"), batch_size=4)
+    b = capture_layerwise(model, batch, sinks, None, cfg, Resident(model, "cpu"), PassOptions(batch_size=4))
     assert worst_relative(a, b) <= 1e-10
     assert bool(a.outputs[0].uu.numel()) == cfg.channels
 
@@ -99,7 +99,7 @@ def test_blocks_read_from_disk_give_the_same_statistics(name):
     cfg = CaptureConfig(metrics=("cosine",), outputs=True)
     a = capture_stats(loading.load_model(name), batch, SinkSpec("first"), tok, config=cfg, batch_size=4)
     lazy = lazy_model(assets.resolve(name))
-    b = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4)
+    b = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, PassOptions(batch_size=4))
     assert worst_relative(a, b) <= 1e-10
     from pruner.core import arch
 
@@ -112,7 +112,7 @@ def test_perplexity_block_by_block_equals_the_whole_model(name):
     head: the whole model's per-window NLLs bit for bit, for the base and for a plan under per-block scoped
     masks with mean compensation."""
     from pruner.checkpoints import loading
-    from pruner.evaluation.perplexity import sliding_windows, window_scores
+    from pruner.evaluation.perplexity import BlockwisePass, sliding_windows, window_scores
     from pruner.pruning import surgery
     from pruner.pruning.compensation import compensation_bias
 
@@ -132,8 +132,8 @@ def test_perplexity_block_by_block_equals_the_whole_model(name):
     def scope(layer):
         return surgery.masked(lazy.model, {layer: heads[layer]} if layer in heads else {}, comp)
 
-    assert torch.equal(window_scores(lazy.model, windows, 4, onloader=lazy)[0], base[0])
-    got = window_scores(lazy.model, windows, 4, onloader=lazy, within=scope)
+    assert torch.equal(window_scores(lazy.model, windows, 4, blocks=BlockwisePass(lazy))[0], base[0])
+    got = window_scores(lazy.model, windows, 4, blocks=BlockwisePass(lazy, within=scope))
     assert torch.equal(got[0], pruned[0]) and torch.equal(got[1], pruned[1])
     assert not torch.equal(pruned[0], base[0])
     from pruner.core import arch
@@ -175,9 +175,10 @@ def test_one_pass_sequential_refit_reads_blocks_from_disk():
     batch = token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 64, num_samples=12)
     heads = {0: [1, 3], 2: [0]}
     model = loading.load_model(name)
-    a = refit_one_pass(model, heads, batch, SinkSpec("first"), tok, Resident(model, "cpu"), batch_size=4)
+    a = refit_one_pass(model, heads, batch, SinkSpec("first"), tok, Resident(model, "cpu"),
+                       options=PassOptions(batch_size=4))
     lazy = lazy_model(assets.resolve(name))
-    b = refit_one_pass(lazy.model, heads, batch, SinkSpec("first"), tok, lazy, batch_size=4)
+    b = refit_one_pass(lazy.model, heads, batch, SinkSpec("first"), tok, lazy, options=PassOptions(batch_size=4))
     assert a.weight.keys() == b.weight.keys() == {0, 2}
     assert all(torch.equal(a.weight[k], b.weight[k]) for k in a.weight) and a.fits == b.fits
 
@@ -431,8 +432,8 @@ def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path
     one-pass sequential refit, the gradient pass and perplexity compute exactly what they compute in memory, the
     files exist while a pass runs and are gone after it."""
     from pruner.checkpoints import loading
-    from pruner.evaluation.perplexity import sliding_windows, window_scores
-    from pruner.pruning.layerwise import gradient_layerwise, refit_one_pass
+    from pruner.evaluation.perplexity import BlockwisePass, sliding_windows, window_scores
+    from pruner.pruning.layerwise import RefitOptions, gradient_layerwise, refit_one_pass
 
     name = "llama-shakespeare"
     tok = loading.load_tokenizer(name)
@@ -446,11 +447,12 @@ def test_hidden_states_in_files_give_the_same_numbers_and_leave_nothing(tmp_path
         def finish(layer, sums, residual):  # a probe while the pass runs: which files exist
             seen.append(sorted(p.name for p in (spill or tmp_path).rglob("*.bin")))
             return sums
-        stats = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, batch_size=4, finish=finish)
-        comp = refit_one_pass(lazy.model, {0: [1], 1: [0, 2]}, batch, SinkSpec("first"), tok, lazy, ridge=0.1,
-                              batch_size=4)
+        stats = capture_layerwise(lazy.model, batch, SinkSpec("first"), tok, cfg, lazy, PassOptions(batch_size=4),
+                                  LayerEnd(finish=finish))
+        comp = refit_one_pass(lazy.model, {0: [1], 1: [0, 2]}, batch, SinkSpec("first"), tok, lazy,
+                              RefitOptions(ridge=0.1), PassOptions(batch_size=4))
         grad = gradient_layerwise(lazy.model, batch, tok, lazy, batch_size=4)
-        nll = window_scores(lazy.model, windows, 4, onloader=lazy)[0]
+        nll = window_scores(lazy.model, windows, 4, blocks=BlockwisePass(lazy))[0]
         runs[spill is None] = (stats, comp, grad, nll)
     (a, ca, ga, na), (b, cb, gb, nb) = runs[True], runs[False]
     assert worst_relative(a, b) == 0.0

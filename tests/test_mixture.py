@@ -29,7 +29,7 @@ def test_shares_add_up_and_follow_the_weights():
 def test_one_source_without_holdout_is_exactly_data_samples(word_tokenizer):
     texts = ["the king was good and the queen was my lord " * 40]
     want = data.samples(word_tokenizer, texts, "windows", 8, num_samples=12, seed=3)
-    got, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 8, num_samples=12, seed=3)
+    got, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 8, draw=mixture.Draw(num_samples=12, seed=3))
     assert held is None and torch.equal(got.input_ids, want.input_ids)
 
 
@@ -39,13 +39,13 @@ def test_each_window_comes_from_one_source_in_the_weighted_shares(word_tokenizer
     kinds appear early (interleaved), and the same call gives the same samples."""
     king, queen = _ids(word_tokenizer, "king"), _ids(word_tokenizer, "queen")
     batch, held = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8, weights=[3, 1],
-                                        num_samples=16, seed=0)
+                                        draw=mixture.Draw(num_samples=16, seed=0))
     has_k, has_q = (batch.input_ids == king).any(1), (batch.input_ids == queen).any(1)
     assert held is None and not (has_k & has_q).any() and (has_k | has_q).all()
     assert int(has_k.sum()) == 12 and int(has_q.sum()) == 4
     assert has_q[:8].any() and has_k[:8].any()
     again, _ = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8, weights=[3, 1],
-                                     num_samples=16, seed=0)
+                                     draw=mixture.Draw(num_samples=16, seed=0))
     assert torch.equal(again.input_ids, batch.input_ids)
 
 
@@ -53,7 +53,8 @@ def test_each_window_comes_from_one_source_in_the_weighted_shares(word_tokenizer
 def test_the_held_back_slice_comes_from_every_source_and_never_from_the_sums(word_tokenizer):
     texts = [" ".join(["the king was good"] * 30 + ["and the queen was my lord"] * 30)]
     whole = data.samples(word_tokenizer, texts, "windows", 6, num_samples=20, seed=1)
-    kept, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 6, num_samples=20, seed=1, holdout=5)
+    kept, held = mixture.mixed_samples(word_tokenizer, [texts], "windows", 6,
+                                       draw=mixture.Draw(num_samples=20, seed=1, holdout=5))
     assert len(kept) == 15 and len(held) == 5
 
     def rows(b):
@@ -61,19 +62,20 @@ def test_the_held_back_slice_comes_from_every_source_and_never_from_the_sums(wor
 
     assert rows(kept) | rows(held) <= rows(whole) and len(rows(kept) | rows(held)) == len(rows(whole))
     king, queen = _ids(word_tokenizer, "king"), _ids(word_tokenizer, "queen")
-    kept, held = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8, num_samples=16, holdout=4)
+    kept, held = mixture.mixed_samples(word_tokenizer, [KING, QUEEN], "windows", 8,
+                                       draw=mixture.Draw(num_samples=16, holdout=4))
     assert len(kept) == 12 and int((held.input_ids == king).any(1).sum()) == 2
     assert int((held.input_ids == queen).any(1).sum()) == 2
     with pytest.raises(DataError, match="calibration.holdout: 3 held-back samples from b leave none of its 1 "):
-        mixture.mixed_samples(word_tokenizer, [KING, ["the queen " * 5]], "windows", 8, holdout=6,
-                              names=["a", "b"])
+        mixture.mixed_samples(word_tokenizer, [KING, ["the queen " * 5]], "windows", 8, names=["a", "b"],
+                              draw=mixture.Draw(holdout=6))
 
 
 @pytest.mark.unit
 def test_lines_of_several_sources_are_padded_to_one_width(word_tokenizer):
     word_tokenizer.pad_token = "<pad>"
     short, long_ = ["the king was good\n" * 6], ["the queen was good and my lord was the king\n" * 6]
-    b, _ = mixture.mixed_samples(word_tokenizer, [short, long_], "lines", 16, num_samples=8)
+    b, _ = mixture.mixed_samples(word_tokenizer, [short, long_], "lines", 16, draw=mixture.Draw(num_samples=8))
     assert b.input_ids.shape[0] == 8 and int(b.attention_mask.sum(1).min()) < int(b.attention_mask.sum(1).max())
     assert (b.input_ids[b.attention_mask == 0] == word_tokenizer.pad_token_id).all()
 

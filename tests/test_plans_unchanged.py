@@ -27,8 +27,9 @@ from pruner.checkpoints import layout, loading
 from pruner.checkpoints.lazy import lazy_model
 from pruner.core import arch, assets
 from pruner.core.data import TextSource, load_texts, token_windows
-from pruner.pruning.calibrate import calibrate
-from pruner.pruning.layerwise import calibrate_layerwise
+from pruner.core.layerwise import PassOptions
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
+from pruner.pruning.layerwise import LayerwiseScoring, calibrate_layerwise
 from pruner.pruning.per_layer import CurveRequest
 from pruner.pruning.scoring import SCORERS, get_scorer
 from pruner.pruning.selection import SelectionConfig, SelectionError, curve_key, select
@@ -92,14 +93,16 @@ def test_the_plans_of_every_shipped_model_are_todays(name):
     tok = loading.load_tokenizer(name)
     batch = token_windows(tok, load_texts(TextSource("shakespeare:calibration")), 64, num_samples=16)
     model = loading.load_model(name)
-    inputs = calibrate(model, batch, SinkSpec("first"), tok, gradient=True, config=CONFIG, batch_size=8,
-                       ridge="auto", ablation=("refit", 4), curves=requested(name, model))
+    inputs = calibrate(model, batch, SinkSpec("first"), tok, config=CONFIG,
+                       options=CalibrationOptions(gradient=True, batch_size=8, ridge="auto", ablation=("refit", 4),
+                                                  curves=requested(name, model)))
     assert inputs.gram is None and inputs.layer_gram is None  # the curves were built; the matrices dropped
     check(name, model, inputs, layerwise=False)
     lazy = lazy_model(assets.resolve(name))
     keys = tuple(k for k in requested(name, model).keys if not get_scorer(k.scorer).needs_ablation)
-    inputs = calibrate_layerwise(lazy.model, batch, SinkSpec("first"), tok, CONFIG, lazy, request=CurveRequest(keys),
-                                 batch_size=8, ridge="auto", gradient=True)
+    inputs = calibrate_layerwise(lazy.model, batch, SinkSpec("first"), tok, CONFIG, lazy,
+                                 LayerwiseScoring(CurveRequest(keys), ridge="auto", gradient=True),
+                                 PassOptions(batch_size=8))
     assert all(not m.has_joint for m in inputs.stats.outputs) and inputs.stats.folds is None  # dropped as they went
     check(name, lazy.model, inputs, layerwise=True)
     # ablation-shortlist came after the golden plans (issue 35): the ablation's on a shortlist (test_autochoice.py)

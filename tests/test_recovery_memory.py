@@ -97,8 +97,10 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
     teacher, student, _ = pair()
     spec = RecoverySpec(**{**QUICK, "teacher": "cached", "top_k": 64, "method": "full"})
     ev = sliding_windows(word_tokenizer, texts(8, seed=5), 16)
-    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec, evaluation=ev,
-                                         options=recovery_stage.Options(progress=False), texts=texts())
+    held = recovery_stage.recover_models(copy.deepcopy(student), teacher, word_tokenizer, spec,
+                                         measures=recovery_stage.Measures(ev),
+                                         options=recovery_stage.Options(progress=False),
+                                         text=recovery_stage.RecoveryText(texts()))
     devices, real = [], recovery_stage.train
 
     def watching(model, targets, *args, **kwargs):
@@ -106,9 +108,11 @@ def test_a_cached_teacher_is_freed_while_the_student_trains_and_read_again_after
         return real(model, targets, *args, **kwargs)
     monkeypatch.setattr(recovery_stage, "train", watching)
     let_go = copy.deepcopy(teacher)
-    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec, evaluation=ev,
-                                          options=recovery_stage.Options(progress=False), texts=texts(),
-                                          reload_teacher=lambda: copy.deepcopy(teacher))
+    freed = recovery_stage.recover_models(copy.deepcopy(student), let_go, word_tokenizer, spec,
+                                          measures=recovery_stage.Measures(ev),
+                                          options=recovery_stage.Options(progress=False),
+                                          text=recovery_stage.RecoveryText(texts()),
+                                          access=recovery_stage.TeacherAccess(reload=lambda: copy.deepcopy(teacher)))
     assert devices == ["meta"]  # no teacher weight in memory while the student trained
     assert freed.record["memory_estimate"]["teacher"] == 0 < held.record["memory_estimate"]["teacher"]
     assert freed.record["perplexity"] == held.record["perplexity"]  # the scores after: the teacher read again
@@ -146,7 +150,8 @@ def test_the_cache_built_a_window_at_a_time_holds_what_the_whole_batch_gives(tmp
     teacher, _, _ = pair("llama")
     ids = torch.randint(0, teacher.config.vocab_size, (6, 12), generator=torch.Generator().manual_seed(0))
     w = data.TokenBatch(ids, torch.ones_like(ids))
-    cache = rteacher.Cached.build(teacher.eval(), w, tmp_path, k=5, batch_size=4, m=3, seed=7)
+    cache = rteacher.Cached.build(teacher.eval(), w, tmp_path, rteacher.CacheSpec(k=5, tail_samples=3, seed=7),
+                                  batch_size=4)
     with torch.no_grad():  # the batches the cache ran, each whole through the loss's functions
         logits = torch.cat([rteacher.forward_logits(teacher, ids[s], w.attention_mask[s])
                             for s in (slice(0, 4), slice(4, 6))])

@@ -342,8 +342,8 @@ def test_one_pass_sequential_refit_equals_the_pass_per_layer_one(family, ridge):
     """Each block refitted as it is captured, its pruned outputs fed forward: the fits (and chosen ridges) of
     re-capturing the whole model once per pruned layer, to the float32 rounding of the forwarded states (the
     model's attention against the capture's kernel), with every block run twice instead of L captures."""
-    from pruner.core.layerwise import Resident
-    from pruner.pruning.layerwise import refit_one_pass
+    from pruner.core.layerwise import PassOptions, Resident
+    from pruner.pruning.layerwise import RefitOptions, refit_one_pass
 
     model, batch = tiny_model(family), pad(ragged_batch(seed=3, n=7), 0)
     heads = {0: [1], 1: [0, 2]}
@@ -360,8 +360,8 @@ def test_one_pass_sequential_refit_equals_the_pass_per_layer_one(family, ridge):
     runs = {i: 0 for i in range(len(blocks))}
     hooks = [b.register_forward_hook(lambda m, a, out, i=i: runs.__setitem__(i, runs[i] + 1))
              for i, b in enumerate(blocks)]
-    one = refit_one_pass(model, heads, batch, SinkSpec("first"), None, Resident(model, "cpu"), ridge=ridge, folds=3,
-                         batch_size=2)
+    one = refit_one_pass(model, heads, batch, SinkSpec("first"), None, Resident(model, "cpu"),
+                         RefitOptions(ridge=ridge, folds=3), PassOptions(batch_size=2))
     for h in hooks:
         h.remove()
     assert len(calls) == 2 and runs == {0: 8, 1: 8}  # 4 batches, twice through each pruned block
@@ -382,7 +382,7 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     The ridge (1e-6 of the mean diagonal) sits above the float32 rounding of the moments' products
     (the copy's zero eigenvalues come out at about -2e-9 of the largest): smaller, and whether the
     system factors depends on the machine's rounding, not on the method."""
-    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate
     from pruner.pruning.scoring import get_scorer
     from pruner.pruning.selection import SelectionConfig, select
 
@@ -390,7 +390,7 @@ def test_refit_aware_scorer_prices_a_duplicated_head_at_zero_and_selects_it():
     copy_head(model, "gpt2", 1, 0, 3)
     batch = pad(ragged_batch(seed=3, n=12, max_len=30), 0)
     inputs = calibrate(model, batch, SinkSpec("first"), config=CaptureConfig(metrics=("cosine",), outputs=True),
-                       ridge=1e-6)
+                       options=CalibrationOptions(ridge=1e-6))
     scores = get_scorer("refit-energy")(inputs, torch.ones(2, 4, dtype=torch.bool))
     others = torch.cat([scores[0], scores[1, 1:3]])
     assert max(scores[1, 3], scores[1, 0]) < 1e-4 * others.min()  # either twin is (nearly) free

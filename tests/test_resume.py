@@ -19,7 +19,7 @@ from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.attention.sinks import SinkSpec
 from pruner.core import outputs, resume
 from pruner.core.data import pad
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 
 pytestmark = pytest.mark.integration
 
@@ -100,8 +100,8 @@ CAL_CONFIG = CaptureConfig(chunk_size=4, metrics=("cosine", "js"), outputs=True)
 
 def _calibrate(family, checkpoints):
     batch = pad(ragged_batch(seed=3, n=7), 0)  # 4 batches of 2: the last one short
-    return calibrate(tiny_model(family), batch, SinkSpec("first"), gradient=True, config=CAL_CONFIG,
-                     batch_size=2, checkpoints=checkpoints)
+    return calibrate(tiny_model(family), batch, SinkSpec("first"), config=CAL_CONFIG,
+                     options=CalibrationOptions(gradient=True, batch_size=2, checkpoints=checkpoints))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pruner.core import arch
 from pruner.core.data import pad
 from pruner.pruning import scoring
 from pruner.pruning.ablation import AblationRequest
-from pruner.pruning.calibrate import calibrate, gradient_importance, lm_loss
+from pruner.pruning.calibrate import CalibrationOptions, calibrate, gradient_importance, lm_loss
 from pruner.pruning.compensation import compensate
 from pruner.pruning.selection import SelectionConfig, SelectionError, convention_sensitivity, select
 
@@ -23,7 +23,8 @@ def llama_inputs():
     model = tiny_model("llama")
     batch = pad(ragged_batch(seed=7, n=6, min_len=8), 0)
     measured = AblationRequest("mean", 4, 0.5, ("ablation", "ablation-shortlist"))
-    return model, batch, calibrate(model, batch, SinkSpec("first"), gradient=True, ablation=measured)
+    return model, batch, calibrate(model, batch, SinkSpec("first"),
+                                   options=CalibrationOptions(gradient=True, ablation=measured))
 
 
 def test_unknown_scorer_lists_valid_and_suggests():
@@ -196,7 +197,8 @@ def test_ablation_equals_removing_each_head_and_measuring(compensation):
 
     model = tiny_model("gpt2")
     batch = pad(ragged_batch(seed=3, n=24, min_len=20, max_len=30), 0)
-    inputs = calibrate(model, batch, SinkSpec("first"), ablation=(compensation, 5), ridge=1e-3)
+    inputs = calibrate(model, batch, SinkSpec("first"),
+                       options=CalibrationOptions(ablation=(compensation, 5), ridge=1e-3))
     sub = TokenBatch(batch.input_ids[:5], batch.attention_mask[:5])
     s0, c0 = token_nll(model, sub)
     g = arch.geometry(model)

@@ -72,7 +72,7 @@ def test_block_by_block_writes_what_the_in_memory_save_writes(name, heads, kind,
     parts.mkdir()
     a = saving.save(model, tok, whole, removed, "float16")
     lazy = lazy_model(folder)
-    b = streamed.save_streamed(lazy, tok, parts, heads, comp, removed, "float16")
+    b = streamed.save_streamed(lazy, tok, parts, heads, comp, removed, streamed.StreamedWrite("float16"))
     assert (a.layout, a.why_per_layer, a.dtype, a.generation) == (b.layout, b.why_per_layer, b.dtype, b.generation)
     assert a.layout == layout and b.max_diff <= saving.ATOL and b.storage_diff == a.storage_diff and a.note == b.note
     wa, wb = weights(whole), weights(parts)

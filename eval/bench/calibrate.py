@@ -102,7 +102,7 @@ def cases(model, batch, batch_size: int) -> dict:
     from pruner.attention.capture import CaptureConfig
     from pruner.attention.sinks import SinkSpec
     from pruner.core.runtime import forward
-    from pruner.pruning.calibrate import calibrate, gradient_importance
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate, gradient_importance
 
     config = CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True)  # prune's default capture
 
@@ -112,7 +112,8 @@ def cases(model, batch, batch_size: int) -> dict:
             forward(model, b.input_ids, b.attention_mask)
 
     return {"plain": plain,
-            "calibrate": lambda: calibrate(model, batch, SinkSpec("first"), config=config, batch_size=batch_size),
+            "calibrate": lambda: calibrate(model, batch, SinkSpec("first"), config=config,
+                                           options=CalibrationOptions(batch_size=batch_size)),
             "gradient": lambda: gradient_importance(model, batch)}
 
 
@@ -252,6 +253,15 @@ def spawn(name: str, args) -> dict:
     return last_json(out.stdout)
 
 
+def print_profiles(results: list[dict], args) -> None:
+    """The top operators of one calibrate batch, for each model profiled (--profile)."""
+    for r in results:
+        if r.get("profile"):
+            print(f"\n{r['model']}: top operators of one calibrate batch ({args.batch_size} x {args.length}), self time")
+            for op, ms, share, count in r["profile"]:
+                print(f"  {share:6.1%}  {ms:9.1f} ms  x{count:<6d} {op[:90]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -291,11 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + table(ok) + "\n")
     for line in targets(ok) + [""] + estimate_8b():
         print(line)
-    for r in ok:
-        if r.get("profile"):
-            print(f"\n{r['model']}: top operators of one calibrate batch ({args.batch_size} x {args.length}), self time")
-            for op, ms, share, count in r["profile"]:
-                print(f"  {share:6.1%}  {ms:9.1f} ms  x{count:<6d} {op[:90]}")
+    print_profiles(ok, args)
     print(f"\nload average 1/5/15 min: start {load_start}, end {meta['loadavg_end']}; wall {meta['wall_s']:.0f} s")
     print(f"wrote {out}")
     return 0

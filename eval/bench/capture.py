@@ -278,6 +278,19 @@ def targets(results: list[dict]) -> list[str]:
 ANALYZE_WINDOWS, ANALYZE_T, ANALYZE_BATCH = 64, 128, 8  # `pruner analyze`'s defaults
 
 
+def analyze_ids(model, tok):
+    """(ANALYZE_WINDOWS, ANALYZE_T) token ids: windows of the evaluation plays, or random ids without a tokenizer."""
+    import torch
+
+    if tok is None:
+        return torch.randint(0, model.config.vocab_size, (ANALYZE_WINDOWS, ANALYZE_T),
+                             generator=torch.Generator().manual_seed(0))
+    from pruner.core import data
+
+    return data.token_windows(tok, data.load_texts(data.TextSource("shakespeare:evaluation")), ANALYZE_T,
+                              num_samples=ANALYZE_WINDOWS, seed=0).input_ids
+
+
 def analyze_case(name: str, threads: int, repeats: int) -> dict:
     """`pruner analyze`'s capture (every head against every head, cosine + JS) and its clustering step,
     against plain forward passes over the same windows; then the op profile of one capture."""
@@ -292,14 +305,7 @@ def analyze_case(name: str, threads: int, repeats: int) -> dict:
 
     torch.set_num_threads(threads)
     model, tok = load(name)
-    if tok is None:
-        ids = torch.randint(0, model.config.vocab_size, (ANALYZE_WINDOWS, ANALYZE_T),
-                            generator=torch.Generator().manual_seed(0))
-    else:
-        from pruner.core import data
-
-        ids = data.token_windows(tok, data.load_texts(data.TextSource("shakespeare:evaluation")), ANALYZE_T,
-                                 num_samples=ANALYZE_WINDOWS, seed=0).input_ids
+    ids = analyze_ids(model, tok)
     batch = TokenBatch(ids, torch.ones_like(ids))
     spec = SinkSpec("first")
     config = CaptureConfig(metrics=("cosine", "js"), across_layers=True)

@@ -67,7 +67,7 @@ def bench_model(name: str, args) -> dict:
     from pruner.attention.sinks import SinkSpec
     from pruner.core.runtime import forward
     from pruner.evaluation.perplexity import window_scores
-    from pruner.pruning.calibrate import calibrate, gradient_importance
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate, gradient_importance
 
     model, windows, batch = setup(name, args.windows, args.calibration)
     bs = args.batch_size
@@ -80,8 +80,9 @@ def bench_model(name: str, args) -> dict:
     cases = {
         "forward": plain,
         "perplexity": lambda: window_scores(model, windows, bs),
-        "attention": lambda: calibrate(model, batch, SinkSpec("first"), batch_size=bs,
-                                       config=CaptureConfig(metrics=("cosine", "js"), outputs=True)),
+        "attention": lambda: calibrate(model, batch, SinkSpec("first"),
+                                       config=CaptureConfig(metrics=("cosine", "js"), outputs=True),
+                                       options=CalibrationOptions(batch_size=bs)),
         "gradient": lambda: gradient_importance(model, batch),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}

@@ -102,8 +102,8 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     from pruner.checkpoints.lazy import lazy_model
     from pruner.core import arch
     from pruner.core.data import TokenBatch
-    from pruner.core.layerwise import first_block_calls, run_blocks
-    from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.core.layerwise import PassOptions, first_block_calls, run_blocks
+    from pruner.pruning.layerwise import LayerwiseScoring, calibrate_layerwise
     from pruner.pruning.per_layer import CurveRequest
     from pruner.runs import calibration_memory
     from pruner.runs.resources import Sizes
@@ -123,8 +123,8 @@ def case(folder: Path, windows: int, length: int, ridge: float, threads: int) ->
     peak_plain = _peak()
     t0 = time.perf_counter()
     cfg = CaptureConfig(metrics=("cosine",), outputs=True)
-    calibrate_layerwise(lazy.model, batch, SinkSpec("first"), None, cfg, lazy, request=CurveRequest(()), batch_size=4,
-                        ridge=ridge)
+    calibrate_layerwise(lazy.model, batch, SinkSpec("first"), None, cfg, lazy,
+                        LayerwiseScoring(CurveRequest(()), ridge=ridge), PassOptions(batch_size=4))
     cal_s = time.perf_counter() - t0
     sizes = Sizes(batch_size=min(4, windows), length=length, pair_metrics=1, outputs=True)
     plan = calibration_memory.memory_plan(lazy.model, sizes, windows, "sequential", "cpu")
@@ -148,7 +148,8 @@ def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: i
     from pruner.checkpoints.lazy import lazy_model
     from pruner.core import arch, distributed
     from pruner.core.data import TokenBatch
-    from pruner.pruning.layerwise import calibrate_layerwise
+    from pruner.core.layerwise import PassOptions
+    from pruner.pruning.layerwise import LayerwiseScoring, calibrate_layerwise
     from pruner.pruning.per_layer import CurveRequest
     from pruner.pruning.scoring import get_scorer
     from pruner.pruning.selection import SelectionConfig, curve_key, select
@@ -160,8 +161,8 @@ def procs_case(folder: Path, windows: int, length: int, ridge: float, threads: i
     g = arch.geometry(lazy.model)
     keys = tuple(curve_key(get_scorer(n), g, SelectionConfig(target=0.25)) for n in ("sink-aware", "refit-energy"))
     inputs = calibrate_layerwise(lazy.model, TokenBatch(ids, torch.ones_like(ids)), SinkSpec("first"), None,
-                                 CaptureConfig(metrics=("cosine",), outputs=True), lazy, request=CurveRequest(keys),
-                                 batch_size=4, ridge=ridge)
+                                 CaptureConfig(metrics=("cosine",), outputs=True), lazy,
+                                 LayerwiseScoring(CurveRequest(keys), ridge=ridge), PassOptions(batch_size=4))
     cal_s = time.perf_counter() - t0
     plans = None if inputs is None else {  # several processes: rank 0 alone keeps the sums and selects
         name: select(get_scorer(name), inputs, g, SelectionConfig(target=0.25)).heads
@@ -223,7 +224,7 @@ def compare_processes(args, folder: Path, env: dict) -> None:
     write(f"{args.model}-{args.procs}proc", r)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     ap.add_argument("model", choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=None, help="cut the model to this many blocks")
@@ -236,7 +237,11 @@ def main() -> None:
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--procs-case", help=argparse.SUPPRESS)
     ap.add_argument("--dump", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.procs_case:  # a child of --procs: one process of the group
         r = procs_case(Path(args.procs_case), args.windows, args.length, args.ridge, args.threads, Path(args.dump))
         if r is not None:

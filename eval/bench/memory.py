@@ -48,7 +48,7 @@ def case(spec: str) -> dict:
     from pruner.attention.capture import CaptureConfig
     from pruner.attention.sinks import SinkSpec
     from pruner.core.data import TokenBatch
-    from pruner.pruning.calibrate import calibrate
+    from pruner.pruning.calibrate import CalibrationOptions, calibrate
     from pruner.runs import resources
 
     name, B, T, grad = spec.split(":")
@@ -64,8 +64,9 @@ def case(spec: str) -> dict:
     est = resources.calibration_estimate(model, resources.Sizes(batch_size=B, length=T, chunk_size=128,
                                                                 pair_metrics=1, outputs=True, gradient=grad))
     with PeakGrowth() as peak:
-        calibrate(model, batch, SinkSpec("first"), gradient=grad,
-                  config=CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True), batch_size=B)
+        calibrate(model, batch, SinkSpec("first"),
+                  config=CaptureConfig(chunk_size=128, metrics=("cosine",), outputs=True),
+                  options=CalibrationOptions(gradient=grad, batch_size=B))
     measured = peak.bytes
     return {"case": spec, "model": name, "batch_size": B, "length": T, "gradient": grad,
             "model_bytes": est.parts["model"], "estimate_bytes": est.total - est.parts["model"],

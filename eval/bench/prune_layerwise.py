@@ -110,7 +110,9 @@ def _shards_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def case(args, layers: int | None) -> dict:
+def _prepare(args, layers: int | None) -> tuple[Path, str, Path, Path]:
+    """The synthetic checkpoint (with a tokenizer), the case's tag, a fresh work folder and its recipe:
+    (checkpoint folder, tag, work folder, recipe file)."""
     folder = write_checkpoint(args.model, layers, Path(args.work) / f"{args.model}-{layers or 'all'}-2gb", 2 * 10**9)
     for f in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer for the text (ids below every vocab size)
         shutil.copyfile(ROOT / "pruner" / "assets" / "models" / "llama-shakespeare" / f, folder / f)
@@ -122,6 +124,12 @@ def case(args, layers: int | None) -> dict:
     recipe = work / "recipe.yaml"
     recipe.write_text(COMMON.format(folder=folder, length=args.length, windows=args.windows, target=args.target,
                                     eval_windows=args.eval_windows, threads=args.threads) + RECIPES[args.recipe].format())
+    return folder, tag, work, recipe
+
+
+def case(args, layers: int | None) -> dict:
+    """One prune of a synthetic checkpoint in a child process, its memory sampled: the record written."""
+    folder, tag, work, recipe = _prepare(args, layers)
     t0 = time.perf_counter()
     env = child_env() if args.where else None  # --where: the sampler is this checkout's eval.bench.peak_where
     if args.code:  # another checkout's pruner first (this one's eval after it, for the sampler)

@@ -241,7 +241,7 @@ def _pairs(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(int(v) for v in x.split("x")) for x in text.split(",") if x)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     ap.add_argument("--lengths", default="512,2048", help="prefill lengths (batch 1)")
@@ -263,7 +263,11 @@ def main() -> None:
     ap.add_argument("--profile", metavar="MODEL:PLAN:CASE",
                     help="instead of the benchmark, profile one case, e.g. 'llama-3.2-1b:50%% layer equal:prefill:2048' "
                          "or 'gpt2-small:50%% layer equal:decode:8x895'")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
         name, label, case = args.profile.split(":", 2)

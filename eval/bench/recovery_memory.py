@@ -72,9 +72,9 @@ def case(spec: str) -> dict:
     held = memory.held_now(student, teacher)
     keep = copy.deepcopy(teacher) if released else None  # the teacher read again after training
     with PeakGrowth() as peak:
-        recovery_stage.recover_models(student, teacher, tok, rspec, texts=texts,
+        recovery_stage.recover_models(student, teacher, tok, rspec, text=recovery_stage.RecoveryText(texts),
                                   options=recovery_stage.Options(progress=False),
-                                  reload_teacher=(lambda: keep) if released else None)
+                                  access=recovery_stage.TeacherAccess(reload=(lambda: keep) if released else None))
     measured = peak.bytes
     return {"case": spec, "model": name, "method": method, "teacher": kind, "batch_size": B, "length": T,
             "steps": steps,

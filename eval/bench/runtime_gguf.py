@@ -122,7 +122,7 @@ def sizes(dtype: str, work: Path) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
@@ -132,7 +132,11 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sizes-only", action="store_true", help="file sizes and KV bytes only (no llama-cpp-python)")
     ap.add_argument("--out", default=str(RESULTS / "bench" / "runtime_gguf.json"))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.sizes_only:
         with tempfile.TemporaryDirectory(prefix="bench-gguf-", dir=os.environ.get("BENCH_TMP")) as work:
             Path(args.out).write_text(json.dumps({"sizes": sizes(args.dtype, Path(work)),

@@ -41,8 +41,9 @@ def recover(student, teacher, spec, reload=None):
     from pruner.runs import recovery_stage
 
     tok = loading.load_tokenizer("llama-shakespeare")  # ids below every vocabulary here
-    return recovery_stage.recover_models(student, teacher, tok, spec, texts=plays("train"),
-                                         options=recovery_stage.Options(progress=False), reload_teacher=reload).record
+    return recovery_stage.recover_models(student, teacher, tok, spec, text=recovery_stage.RecoveryText(plays("train")),
+                                         options=recovery_stage.Options(progress=False),
+                                         access=recovery_stage.TeacherAccess(reload=reload)).record
 
 
 def same_as_cpu(device: str, steps: int = 16) -> list[str]:

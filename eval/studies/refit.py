@@ -37,7 +37,7 @@ from pruner.core import arch, assets, data
 from pruner.core.tables import change_cell, markdown_table
 from pruner.evaluation.perplexity import masked_lines, paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 from pruner.pruning.compensation import compensate, refit_layer, refit_sequential
 from pruner.pruning.scoring import SCORERS, Scorer, get_scorer
 from pruner.pruning.selection import SelectionConfig, SelectionError, select
@@ -100,16 +100,9 @@ def main() -> None:
     model = loading.load_base(ModelSpec(path=args.model, mlm_readout="shipped" if encoder else None))
     tok = loading.load_tokenizer(args.model)
     scorers = args.scorers.split(",")
-    if encoder:
-        cal = data.samples(tok, texts(CAL_PLAYS), "lines", 64, num_samples=256, seed=0)
-        dev = masked_lines(tok, texts(DEV_PLAYS), 64, num_samples=args.windows, seed=0)
-        sinks = SinkSpec("special")
-    else:
-        cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
-        dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
-        sinks = SinkSpec("first")
-    inputs = calibrate(model, cal, sinks, tok, gradient="gradient" in scorers,
-                       config=CaptureConfig(metrics=("cosine",), outputs=True), ridge=args.ridge, seed=0)
+    cal, dev, sinks = samples(tok, encoder, args.windows)
+    inputs = calibrate(model, cal, sinks, tok, config=CaptureConfig(metrics=("cosine",), outputs=True),
+                       options=CalibrationOptions(gradient="gradient" in scorers, ridge=args.ridge, seed=0))
     outputs = inputs.stats.outputs
 
     def collect():
@@ -142,10 +135,25 @@ def main() -> None:
                                 "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high, "base": d.base,
                                 "unexplained": unexplained})
                 print(f"{name:20s} {t:5.2f} {c:12s} {d.delta:+8.2f} [{d.ci_low:+.2f}, {d.ci_high:+.2f}]", flush=True)
-    out = Path(args.out or RESULTS / "studies" / "refit" / f"dev-{args.model}.json")
-    out.write_text(json.dumps({"model": args.model, "windows": len(dev), "ridge": args.ridge, "budget": args.budget,
-                               "records": records, "seconds": round(time.time() - t0)}, indent=1) + "\n")
+    write(args, len(dev), records, round(time.time() - t0))
     print_table(records, targets)
+
+
+def samples(tok, encoder: bool, windows: int):
+    """(calibration samples, development windows, sinks): lines and special-token sinks for the encoder, token
+    windows and the first token for the decoders."""
+    if encoder:
+        return (data.samples(tok, texts(CAL_PLAYS), "lines", 64, num_samples=256, seed=0),
+                masked_lines(tok, texts(DEV_PLAYS), 64, num_samples=windows, seed=0), SinkSpec("special"))
+    return (data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0),
+            sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=windows), SinkSpec("first"))
+
+
+def write(args, windows: int, records: list[dict], seconds: int) -> None:
+    """The records, with the settings they were made with, into the results file."""
+    out = Path(args.out or RESULTS / "studies" / "refit" / f"dev-{args.model}.json")
+    out.write_text(json.dumps({"model": args.model, "windows": windows, "ridge": args.ridge, "budget": args.budget,
+                               "records": records, "seconds": seconds}, indent=1) + "\n")
 
 
 def print_table(records: list[dict], targets: list[float]) -> None:

@@ -66,12 +66,17 @@ TARGET_RIDGE = 1e-3  # c's ridge (relative), regressing the constant on the kept
 
 
 def plays(names) -> list[str]:
+    """The calibration plays of these names, one text each."""
     return [(assets.shakespeare("calibration") / f"{n}.txt").read_text() for n in names]
+
+
+def load(source: str) -> list[str]:
+    """The texts of a source spec such as `python-docs:dev`."""
+    return data.load_texts(data.TextSource(source))
 
 
 def texts(split: str) -> tuple[list[str], dict[str, list[str]]]:
     """(calibration documents in stream order, {kind: scored documents})."""
-    load = lambda s: data.load_texts(data.TextSource(s))  # noqa: E731
     if split == "dev":
         return plays(("othello", "as_you_like_it")), {
             "plays": plays(("henry_v", "winters_tale")), "python-docs": load("python-docs:dev")[1::2],
@@ -107,8 +112,8 @@ def regroup(fm: FoldMoments, assign: list[int]) -> FoldMoments:
     """Per-window fold sums (K = windows) summed into the folds `assign` names."""
     a = torch.tensor(assign)
     k = int(a.max()) + 1
-    z = lambda x: torch.zeros((k, *x.shape[1:]), dtype=x.dtype).index_add_(0, a, x)  # noqa: E731
-    return FoldMoments(z(fm.tokens), z(fm.o), z(fm.joint))
+    return FoldMoments(*(torch.zeros((k, *x.shape[1:]), dtype=x.dtype).index_add_(0, a, x)
+                         for x in (fm.tokens, fm.o, fm.joint)))
 
 
 def assignments(n: int, docs: list[int]) -> dict[str, list[int]]:
@@ -221,10 +226,22 @@ def scores(s, windows, heads=None, comp=None):
     return nll, count
 
 
+def compensations(m, heads: dict[int, list[int]], outputs, folds: dict, names: list[str], model: str
+                  ) -> tuple[dict, dict]:
+    """({compensation: (its fit, {layer: ridge})} for zero, mean, refit and the candidates `names`, and each one's
+    signature: a candidate that chose the same fit as another is scored once)."""
+    comps = {"zero": (surgery.Compensation(), {}), "mean": (compensate(m, heads, outputs, "mean"), {})}
+    old = compensate(m, heads, outputs, "refit", "auto", folds["mod4"])
+    comps["refit"] = (old, {k: v["ridge"] for k, v in old.fits.items()})
+    for name in names:
+        comps[name] = candidate(m, heads, outputs, folds, name, comps["refit"][1])
+    return comps, signatures(comps, model)
+
+
 def study(model: str, split: str, n_windows: int, names: list[str]) -> list[dict]:
     cal, kinds = texts(split)
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS)
-    s = context.prepare(r, progress=False, evaluation=False, calibration_texts=cal)
+    s = context.prepare(r, progress=False, evaluation=False, given=context.Given(calibration_texts=cal))
     docs = documents(s.tokenizer, cal, s.calibration, r.calibration.length, r.calibration.num_samples,
                      r.calibration.seed)
     n = len(s.calibration)
@@ -244,12 +261,7 @@ def study(model: str, split: str, n_windows: int, names: list[str]) -> list[dict
     out = []
     for target in TARGETS:
         plan = select(scorer, inputs, geom, pipeline.selection_config(r, s.model, target))
-        comps = {"zero": (surgery.Compensation(), {}), "mean": (compensate(s.model, plan.heads, outputs, "mean"), {})}
-        old = compensate(s.model, plan.heads, outputs, "refit", "auto", folds["mod4"])
-        comps["refit"] = (old, {k: v["ridge"] for k, v in old.fits.items()})
-        for name in names:
-            comps[name] = candidate(s.model, plan.heads, outputs, folds, name, comps["refit"][1])
-        same = signatures(comps, model)
+        comps, same = compensations(s.model, plan.heads, outputs, folds, names, model)
         for kind, w in evals.items():
             mean_scores, seen = None, {}
             for name, (comp, ridges) in comps.items():
@@ -276,7 +288,7 @@ def energies(model: str, kinds: list[str]) -> None:
 
     cal, texts_ = texts("dev")
     r = load_recipe(ROOT / "recipes" / f"{RECIPES.get(model, model)}.yaml", SETTINGS)
-    s = context.prepare(r, progress=False, evaluation=False, calibration_texts=cal)
+    s = context.prepare(r, progress=False, evaluation=False, given=context.Given(calibration_texts=cal))
     scorer, geom = get_scorer(r.scorer.name), arch.geometry(s.model)
     inputs = pipeline.scoring_inputs(s, [scorer], CurveRequest((curve_key(scorer, geom, pipeline.selection_config(
         r, s.model, 0.25)),)), ["mean", "refit"], progress=False)
@@ -332,6 +344,16 @@ def fmt(x: float) -> str:
     return f"{x:+.2f}"
 
 
+def change_cell(r: dict) -> str:
+    """A record's change, and its difference to mean [95% CI] where it has one."""
+    return fmt(r["delta"]) + ("" if r["vs_mean"] is None else " ({:+.2f} [{:+.2f}, {:+.2f}])".format(*r["vs_mean"]))
+
+
+def ci_cell(r: dict) -> str:
+    """A record's change [95% CI]."""
+    return f"{r['delta']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"
+
+
 def tables(records: list[dict]) -> str:
     """Per model and text: every compensation's change at each target; against mean: [CI] of candidate - mean."""
     lines = []
@@ -345,9 +367,8 @@ def tables(records: list[dict]) -> str:
                       "| compensation | " + " | ".join(f"{t:.0%}" for t in TARGETS) + " |", "|---|" + "---|" * 3]
             for name in dict.fromkeys(r["compensation"] for r in rows):
                 got = {r["target"]: r for r in rows if r["compensation"] == name}
-                cell = lambda r: fmt(r["delta"]) + ("" if r["vs_mean"] is None else  # noqa: E731
-                                                     " ({:+.2f} [{:+.2f}, {:+.2f}])".format(*r["vs_mean"]))
-                lines.append(f"| {name} | " + " | ".join(cell(got[t]) if t in got else "" for t in TARGETS) + " |")
+                lines.append(f"| {name} | " + " | ".join(change_cell(got[t]) if t in got else "" for t in TARGETS)
+                             + " |")
     return "\n".join(lines + [summary(records), against_mean(records)])
 
 
@@ -355,13 +376,13 @@ def against_mean(records: list[dict], name: str = "refit") -> str:
     """The issue's table: per model, text and target, mean and `name` [95% CI], their paired difference [95% CI],
     and whether `name` is within the bar (no worse than mean by more than 5% or 0.05)."""
     out = [f"\n| model | text | target | mean | {name} | {name} - mean | within the bar |", "|---|---|---|---|---|---|---|"]
-    cell = lambda r: f"{r['delta']:+.2f} [{r['ci'][0]:+.2f}, {r['ci'][1]:+.2f}]"  # noqa: E731
     for r in records:
         if r["compensation"] != name:
             continue
         m = next(x for x in records if x["compensation"] == "mean" and
                  (x["model"], x["text"], x["target"]) == (r["model"], r["text"], r["target"]))
-        out.append(f"| {r['model']} | {r['text']} ({r['base']:.1f}) | {r['target']:.0%} | {cell(m)} | {cell(r)} | "
+        out.append(f"| {r['model']} | {r['text']} ({r['base']:.1f}) | {r['target']:.0%} | "
+                   f"{ci_cell(m)} | {ci_cell(r)} | "
                    "{:+.2f} [{:+.2f}, {:+.2f}] | ".format(*r["vs_mean"]) + ("yes" if within(r["delta"], m["delta"])
                                                                              else "**no**") + " |")
     return "\n".join(out)

@@ -20,7 +20,7 @@ from pruner.checkpoints import loading
 from pruner.core import arch, assets, data
 from pruner.evaluation.perplexity import paired_delta, sliding_windows, window_nll
 from pruner.pruning import surgery
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 from pruner.pruning.compensation import compensation_bias
 from pruner.pruning.scoring import SCORERS, Scorer, _max_similarity, fluctuation_exact
 from pruner.pruning.selection import SelectionConfig, select
@@ -160,8 +160,9 @@ def main() -> None:
     model, tok = loading.load_model(args.model), loading.load_tokenizer(args.model)
     cal = data.token_windows(tok, texts(CAL_PLAYS), 128, num_samples=64, seed=0)
     dev = sliding_windows(tok, texts(DEV_PLAYS), 128, max_windows=args.windows)
-    inputs = calibrate(model, cal, SinkSpec("first"), tok, gradient="gradient" in args.baselines,
-                       config=CaptureConfig(metrics=("cosine",), outputs=True, channels=True))
+    inputs = calibrate(model, cal, SinkSpec("first"), tok,
+                       config=CaptureConfig(metrics=("cosine",), outputs=True, channels=True),
+                       options=CalibrationOptions(gradient="gradient" in args.baselines))
     base = window_nll(model, dev)
     global RESID
     RESID = residual_energy(model, cal)

@@ -254,7 +254,23 @@ def report_markdown(res: dict, figures: list[str]) -> str:
              f"{res['n_layers']} layers x {res['n_heads']} heads, every head compared with every head.", "",
              "## Key findings", ""]
     lines += [f"- {f}" for f in _findings(res)]
-    lines += ["", "## Which conclusions flip with the convention", "",
+    lines += _flip_section(res)
+    lines += ["## Clustering and MDS maps", "",
+              f"{res['clustering']['linkage'].capitalize()}-linkage clustering into "
+              f"{res['clustering']['n_clusters']} clusters and metric MDS of all heads on the precomputed "
+              "distances, once per convention; points coloured by sink mass.", ""]
+    for m in res["audit"]:
+        lines += [f"![MDS {m}]({mds_figure(m)})", ""]
+    lines += ["## Sink mass and entropy", "", "![sink mass](sink_mass.png)", "", "![entropy](entropy.png)", ""]
+    if "entropy_attribution" in res:
+        lines += _attribution_section(res)
+    lines += ["Files: `analysis.json` (every number above), " + ", ".join(f"`{f}`" for f in figures) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _flip_section(res: dict) -> list[str]:
+    """Which conclusions flip with the convention: the whole-model table, then each metric's per-layer table."""
+    lines = ["", "## Which conclusions flip with the convention", "",
               "Whole model (every head against every head); the verdict threshold is "
               + "; ".join(f"{m}: {a['threshold']:.3g} ({a['threshold_rule']})" for m, a in res["audit"].items())
               + ". MDS-axis correlations are signed after orienting axis 1 to correlate positively with sink mass "
@@ -269,26 +285,21 @@ def report_markdown(res: dict, figures: list[str]) -> str:
               f"{pct(p['redundant_share_full'][i])} -> {pct(p['redundant_share_content'][i])}"]
              for i in range(res["n_layers"])]), ""]
     lines += ["![flip rates](flip_rates.png)", ""]
-    lines += ["## Clustering and MDS maps", "",
-              f"{res['clustering']['linkage'].capitalize()}-linkage clustering into "
-              f"{res['clustering']['n_clusters']} clusters and metric MDS of all heads on the precomputed "
-              "distances, once per convention; points coloured by sink mass.", ""]
-    for m in res["audit"]:
-        lines += [f"![MDS {m}]({mds_figure(m)})", ""]
-    lines += ["## Sink mass and entropy", "", "![sink mass](sink_mass.png)", "", "![entropy](entropy.png)", ""]
-    if "entropy_attribution" in res:
-        att = res["entropy_attribution"]
-        per, ov = att["per_layer"], att["overall"]
-        lines += [f"## Entropy attribution: {att['reference']} -> {res['model']}", "",
-                  "Exact split of the change of each head's mean entropy into a sink part (sink mass and "
-                  "within-sink spread) and a content part (spread over content tokens), docs/design.md §4; "
-                  "layers and the whole model are means over heads.", "",
-                  markdown_table(["layer", "full-entropy change", "sink part", "content part", "sink share"],
-                                 [[i, f"{per['delta'][i]:+.3f}", f"{per['sink_part'][i]:+.3f}",
-                                   f"{per['content_part'][i]:+.3f}", pct(per["sink_share"][i])]
-                                  for i in range(len(per["delta"]))]
-                                 + [["all", f"{ov['delta']:+.3f}", f"{ov['sink_part']:+.3f}",
-                                     f"{ov['content_part']:+.3f}", pct(ov["sink_share"])]]), "",
-                  "![entropy attribution](entropy_attribution.png)", ""]
-    lines += ["Files: `analysis.json` (every number above), " + ", ".join(f"`{f}`" for f in figures) + "."]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _attribution_section(res: dict) -> list[str]:
+    """The entropy attribution against the reference model: per layer and overall, sink part vs content part."""
+    att = res["entropy_attribution"]
+    per, ov = att["per_layer"], att["overall"]
+    return [f"## Entropy attribution: {att['reference']} -> {res['model']}", "",
+           "Exact split of the change of each head's mean entropy into a sink part (sink mass and "
+           "within-sink spread) and a content part (spread over content tokens), docs/design.md §4; "
+           "layers and the whole model are means over heads.", "",
+           markdown_table(["layer", "full-entropy change", "sink part", "content part", "sink share"],
+                          [[i, f"{per['delta'][i]:+.3f}", f"{per['sink_part'][i]:+.3f}",
+                            f"{per['content_part'][i]:+.3f}", pct(per["sink_share"][i])]
+                           for i in range(len(per["delta"]))]
+                          + [["all", f"{ov['delta']:+.3f}", f"{ov['sink_part']:+.3f}",
+                              f"{ov['content_part']:+.3f}", pct(ov["sink_share"])]]), "",
+           "![entropy attribution](entropy_attribution.png)", ""]

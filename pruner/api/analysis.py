@@ -123,29 +123,17 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     import dataclasses
 
     from pruner.analysis import convention
-    from pruner.attention.capture import CaptureConfig, capture_stats
+    from pruner.attention.capture import Capture, CaptureConfig
     from pruner.core.version import __version__
 
     options.setdefault("metrics", ["cosine", "js"])
     given = AnalyzeSpec.validated(options)  # bad options fail before any model is loaded
     prov = _analysis_provenance(model, compare_to, data, given)
-    checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
-        checkpoint_dir, resume.fingerprint("analyze", None, {**given.model_dump(mode="json"), **dict.fromkeys(
-            ("threads", "memory_check", "checkpoint_every_seconds", "checkpoint_every_batches"))}, prov["identity"]),
-        given.checkpoint_every_batches, given.checkpoint_every_seconds)
+    checkpoints = _analysis_checkpoints(checkpoint_dir, given, prov)
     model, tokenizer, name = model_and_tokenizer(model, tokenizer, given.trust_remote_code)
     reference = ref_name = None
     if compare_to is not None:  # checked before any compute
-        reference, ref_tok, ref_name = model_and_tokenizer(compare_to, tokenizer if not isinstance(
-            compare_to, (str, Path)) else None, given.trust_remote_code)
-        same_tokenizer(tokenizer, ref_tok, (name, ref_name))
-
-        def shape(m):
-            return (arch.geometry(m).n_layers, arch.geometry(m).n_heads)
-
-        if shape(model) != shape(reference):
-            raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
-                             f"{ref_name} {shape(reference)}")
+        reference, ref_name = _reference(compare_to, model, tokenizer, name, given)
     model, tokenizer, _, stats, batch, unit, spec, opts = measure_heads(
         model, tokenizer, data, across_layers=True, progress=progress, checkpoints=checkpoints, **options)
     config = convention.AnalysisConfig(metrics=tuple(opts.metrics), thresholds=dict(opts.thresholds),
@@ -161,13 +149,37 @@ def analyze(model, tokenizer=None, data=None, *, compare_to=None, progress: bool
     res.update(convention.analyze(stats, config))
     ref_stats = None
     if reference is not None:
-        ref_stats = capture_stats(reference, batch, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size,
-                                                                                  metrics=()),
-                                  batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints,
-                                  name="reference")
+        with Capture(reference, spec, tokenizer, CaptureConfig(chunk_size=opts.chunk_size, metrics=())) as cap:
+            cap.run(batch, batch_size=opts.batch_size, progress=progress, checkpoints=checkpoints, name="reference")
+        ref_stats = cap.result()
         res["entropy_attribution"] = {"reference": ref_name, **convention.entropy_attribution(ref_stats, stats),
                                       "reference_heads": convention.head_tables(ref_stats)}
     return Analysis(res, stats, ref_stats, prov)
+
+
+def _analysis_checkpoints(checkpoint_dir, given: AnalyzeSpec, prov: dict) -> resume.Checkpoints:
+    """Where a resumable analysis keeps its stages (none without `checkpoint_dir`), fingerprinted by its options
+    less those that do not change its numbers."""
+    return resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
+        checkpoint_dir, resume.fingerprint("analyze", None, {**given.model_dump(mode="json"), **dict.fromkeys(
+            ("threads", "memory_check", "checkpoint_every_seconds", "checkpoint_every_batches"))}, prov["identity"]),
+        given.checkpoint_every_batches, given.checkpoint_every_seconds)
+
+
+def _reference(compare_to, model, tokenizer, name: str, given: AnalyzeSpec) -> tuple:
+    """`compare_to` loaded (with `tokenizer` when it is an object): (reference model, its name); refused unless it
+    has the same tokenizer and layers x heads as `model`."""
+    reference, ref_tok, ref_name = model_and_tokenizer(compare_to, tokenizer if not isinstance(
+        compare_to, (str, Path)) else None, given.trust_remote_code)
+    same_tokenizer(tokenizer, ref_tok, (name, ref_name))
+
+    def shape(m):
+        return (arch.geometry(m).n_layers, arch.geometry(m).n_heads)
+
+    if shape(model) != shape(reference):
+        raise ValueError(f"--compare-to needs the same layers x heads: {name} has {shape(model)}, "
+                         f"{ref_name} {shape(reference)}")
+    return reference, ref_name
 
 
 def _analysis_provenance(model, compare_to, data, opts: AnalyzeSpec) -> dict:

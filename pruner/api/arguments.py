@@ -61,10 +61,9 @@ class Call:
 
     def session(self, progress: bool, evaluation: bool = True,
                 checkpoints: resume.Checkpoints = resume.NONE, whole_model: bool = True) -> context.Session:
-        return context.prepare(self.recipe, progress, model=self.model, tokenizer=self.tokenizer,
-                                calibration_texts=self.calibration_texts,
-                                evaluation_texts=self.evaluation_texts, evaluation=evaluation,
-                                checkpoints=checkpoints, whole_model=whole_model)
+        given = context.Given(self.model, self.tokenizer, self.calibration_texts, self.evaluation_texts)
+        return context.prepare(self.recipe, progress, given=given, evaluation=evaluation, checkpoints=checkpoints,
+                               whole_model=whole_model)
 
     def provenance(self, evaluation: bool = True) -> dict:
         """provenance.json of a run made by this call; the hashing is done once, by the first process."""

@@ -52,16 +52,10 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     `allow_changed_base`.
     """
     from pruner.evaluation import tasks
-    from pruner.evaluation.perplexity import paired_delta, perplexity, window_scores
+    from pruner.evaluation.perplexity import perplexity, window_scores
 
     if isinstance(model, (str, Path)) and (Path(model) / "plan.json").exists():
-        run = folders.load_run(Path(model))
-        provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
-        recipe = recipe if recipe is not None else run.recipe
-        compact = export.recovered(run) and run.metrics["surgery"] == "remove"  # no dense form of those weights
-        pruned, tokenizer = export.rebuild(run, "compact" if compact else "dense")
-        name, base = str(model), base if base is not None else run.recipe.model.path
-        model = pruned
+        model, tokenizer, name, base, recipe = _rebuilt_run(model, base, recipe, allow_changed_base)
     else:
         name = str(model) if isinstance(model, (str, Path)) else model_name(model)
     call = resolve_call(model, tokenizer, None, recipe, overrides, eval_data=data)
@@ -81,15 +75,34 @@ def evaluate(model, tokenizer=None, data=None, *, base=None, recipe=None, progre
     if base is not None:
         base_model = loading.load_base(call.recipe.model.model_copy(update={"path": str(base)})) \
             if isinstance(base, (str, Path)) else base
-        b_nll, b_count, _ = window_scores(base_model, windows, ev.batch_size, progress=progress, causal=causal)
-        d = paired_delta((b_nll, b_count), (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
-        out.update({"base_model": str(base) if isinstance(base, (str, Path)) else IN_MEMORY, "base": d.base,
-                    "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high})
+        out.update(_paired_perplexity(base, base_model, windows, (nll, count), ev, progress, causal))
         if tasks_of:
             out["tasks"] = tasks_of.paired(tasks_for(base_model).scores(), scores)
     elif scores is not None:
         out["tasks"] = accuracy.accuracy_ci(scores, n_boot=max(ev.bootstrap, 1), seed=ev.seed)
     return Evaluation(out)
+
+
+def _rebuilt_run(path, base, recipe, allow_changed_base: bool) -> tuple:
+    """A run folder rebuilt from its base model and plan: (pruned model, tokenizer, name, base, recipe), the base
+    and recipe the run's unless given; refused when its base model changed (unless `allow_changed_base`)."""
+    run = folders.load_run(Path(path))
+    provenance.check_base(run.folder, run.recipe.model, allow_changed_base)
+    recipe = recipe if recipe is not None else run.recipe
+    compact = export.recovered(run) and run.metrics["surgery"] == "remove"  # no dense form of those weights
+    pruned, tokenizer = export.rebuild(run, "compact" if compact else "dense")
+    return pruned, tokenizer, str(path), base if base is not None else run.recipe.model.path, recipe
+
+
+def _paired_perplexity(base, base_model, windows, scored: tuple, ev, progress: bool, causal: bool) -> dict:
+    """The base's perplexity on the same windows and the paired change of `scored` (NLL sums, counts) from it."""
+    from pruner.evaluation.perplexity import paired_delta, window_scores
+
+    nll, count = scored
+    b_nll, b_count, _ = window_scores(base_model, windows, ev.batch_size, progress=progress, causal=causal)
+    d = paired_delta((b_nll, b_count), (nll, count), n_boot=max(ev.bootstrap, 1), seed=ev.seed)
+    return {"base_model": str(base) if isinstance(base, (str, Path)) else IN_MEMORY, "base": d.base,
+            "delta": d.delta, "ci_low": d.ci_low, "ci_high": d.ci_high}
 
 
 def load(path, trust_remote_code: bool = False):
@@ -121,5 +134,5 @@ def export_run(run_dir, format: str = "compact", out=None, *, overwrite: bool = 
     if folders.load_run(run_dir).recipe.model.path == IN_MEMORY:
         raise ValueError(f"{run_dir} was pruned from a model built in memory, so export cannot rebuild it from its "
                          f"base; its pruned model is in {run_dir / 'model'} (pruner.load reads it)")
-    return export.export_run(run_dir, format, out, overwrite, repo_id=push_to_hub, private=private,
+    return export.export_run(run_dir, format, out, overwrite, export.Hub(push_to_hub, private),
                              allow_changed_base=allow_changed_base, dtype=dtype, quantize=quantize)

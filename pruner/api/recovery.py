@@ -70,7 +70,8 @@ def recover(student, teacher, tokenizer=None, data=GENERATED, *, eval_data=None,
         windows = sliding_windows(tokenizer, ev, 128, max_windows=64)
     checkpoints = resume.NONE if checkpoint_dir is None else resume.open_checkpoints(
         Path(checkpoint_dir), resume.fingerprint("recover", spec.model_dump(mode="json"), {}, {}), None, None)
-    done = recovery_stage.recover_models(student.float(), teacher, tokenizer, spec, evaluation=windows,
-                                         options=Options(checkpoints, methods.zero_heads(student), progress),
-                                         texts=texts, reload_teacher=None if named is None else lambda: _model(named))
+    done = recovery_stage.recover_models(
+        student.float(), teacher, tokenizer, spec, text=recovery_stage.RecoveryText(texts),
+        measures=recovery_stage.Measures(windows), options=Options(checkpoints, methods.zero_heads(student), progress),
+        access=recovery_stage.TeacherAccess(reload=None if named is None else lambda: _model(named)))
     return Recovery(done.model, done.record)

@@ -49,6 +49,16 @@ IMPL = "pruner_capture"
 _ACTIVE: "Capture | None" = None
 
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """Half precision up to float32 (float32 and float64 kept), contiguous: scores are computed in float32."""
+    return (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()
+
+
+def _first_keys(mask: torch.Tensor | None, k1: int) -> torch.Tensor | None:
+    """An attention mask cut to its first k1 keys (no mask stays none)."""
+    return None if mask is None else mask[..., :k1]
+
+
 def _capture_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered attention function: fused output + statistics, or SDPA output + recomputed statistics."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -181,10 +191,9 @@ class Capture:
         if self.layers or self._received or self._tokens:
             raise RuntimeError("a resumed capture must start empty (one Capture.run per checkpointed stage)")
         blocks = arch.blocks(self.model)
-        device = lambda i: next(blocks[i].parameters()).device  # noqa: E731
         layers = resume.unplain(state["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments,
                                                   "FoldMoments": moments.FoldMoments})
-        self.layers = {i: s.to(device(i)) for i, s in layers.items()}
+        self.layers = {i: s.to(next(blocks[i].parameters()).device) for i, s in layers.items()}
         self._residual, self._tokens = state["residual"], state["tokens"]
         self._received, self._n_layers = state["received"], state["n_layers"]
         return state["cursor"]
@@ -213,8 +222,7 @@ class Capture:
         B, H, T, D = query.shape
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
-        up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
-        inputs = st.AttentionInputs(up(query), up(key), up(value), scaling if scaling is not None else D ** -0.5,
+        inputs = st.AttentionInputs(_up(query), _up(key), _up(value), scaling if scaling is not None else D ** -0.5,
                                     query.dtype)
         keys = self._batch.layer_keys(mask, self.config.chunk_size, getattr(module, "is_causal", True),
                                       query.device)  # device_map: this layer's device
@@ -252,8 +260,7 @@ class Capture:
         if key.shape[2] != T:
             raise RuntimeError("capture needs whole sequences (no KV cache, no cross-attention)")
         bf16 = query.dtype == torch.bfloat16
-        up = lambda x: (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()  # noqa: E731
-        query, key = up(query), up(key)  # half precision: scores in float32
+        query, key = _up(query), _up(key)  # half precision: scores in float32
         scale = scaling if scaling is not None else D ** -0.5
         causal = getattr(module, "is_causal", True)
         if self.config.across_layers and self.sinks.mode != "auto":
@@ -283,13 +290,12 @@ class Capture:
             raise ValueError("across_layers needs the same number of query heads in every layer")
         T = kept[0][0].shape[2]
         total = None
-        cut = lambda m, k1: None if m is None else m[..., :k1]  # noqa: E731
         for q0 in range(0, T, self.config.chunk_size):
             q1 = min(T, q0 + self.config.chunk_size)
             k1 = q1 if kept[0][4] else T  # causal: keys after the chunk's last query are never visible
-            valid = valid_keys(cut(kept[0][2], k1), mask2d[:, :k1], q0, q1, kept[0][4])  # (B, 1, c, k1)
+            valid = valid_keys(_first_keys(kept[0][2], k1), mask2d[:, :k1], q0, q1, kept[0][4])  # (B, 1, c, k1)
             for _, _, mask, _, causal, _ in kept[1:]:
-                if not torch.equal(valid_keys(cut(mask, k1), mask2d[:, :k1], q0, q1, causal), valid):
+                if not torch.equal(valid_keys(_first_keys(mask, k1), mask2d[:, :k1], q0, q1, causal), valid):
                     window = getattr(self.model.config, "sliding_window", None)
                     raise ValueError("comparing heads across layers needs every layer to see the same keys; this "
                                      f"model's sliding-window layers see fewer than its global ones beyond its "
@@ -366,11 +372,11 @@ def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.
 
 def capture_stats(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None,
                   config: CaptureConfig = CaptureConfig(), batch_size: int = 8,
-                  progress: bool = False, checkpoints: resume.Checkpoints = resume.NONE,
-                  name: str = "capture") -> sums.HeadStats:
-    """One call: capture statistics of `batch` and return the finalised head statistics."""
+                  progress: bool = False, checkpoints: resume.Checkpoints = resume.NONE) -> sums.HeadStats:
+    """One call: capture statistics of `batch` and return the finalised head statistics (checkpointed as stage
+    `capture`; another stage name: `Capture.run`)."""
     with Capture(model, sinks, tokenizer, config) as cap:
-        cap.run(batch, batch_size=batch_size, progress=progress, checkpoints=checkpoints, name=name)
+        cap.run(batch, batch_size=batch_size, progress=progress, checkpoints=checkpoints, name="capture")
     return cap.result()
 
 

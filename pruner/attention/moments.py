@@ -163,27 +163,35 @@ def output_moments(o: Tensor, u: Tensor, rows: Tensor, bf16: bool = False,
         xc.mul_(r)
     if folds is not None and not joint:
         raise ValueError("fold moments are joint moments: output_moments(folds=...) needs joint=True")
-    from_folds = folds is not None
-    if not from_folds and joint:
-        with matmul_precision(bf16):
-            joint_c = gram(xc, H)
     o_sum, u_sum = o_sum.view(H, D), u_sum.view(H, D)
     w_sum = o_sum - u_sum
-    if from_folds:  # derived from the folds once the layer is complete
-        oo, joint = (torch.zeros(0, dtype=torch.float64, device=o.device) for _ in range(2))
-    elif joint:
-        joint = uncentre(joint_c, o_sum.view(-1), ref_o, n)  # (H*d, H*d)
-        oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
-    else:  # each head's own block only, from the same centred float32 values
-        with matmul_precision(bf16):
-            oo = uncentre(head_grams(xc.view(N, H, D)), o_sum, ref_o.view(H, D), n)
-        joint = torch.zeros(0, dtype=torch.float64, device=oo.device)
+    oo, joint = _second_moments(xc, o_sum, ref_o, n, bf16, folds is not None, joint)
     if not channels:  # the channels' centred copies are never made
         none = torch.zeros(0, dtype=torch.float64, device=joint.device)
         return OutputMoments(n, o_sum, u_sum, w_sum, oo, none, none.clone(), joint)
     uu, ww = _channels(xc.view(N, H, D), uf.view(N, H, D), r if not every else None, (u_sum, ref_u.view(H, D)),
                        (w_sum, (ref_o - ref_u).view(H, D)), n)
     return OutputMoments(n, o_sum, u_sum, w_sum, oo, uu, ww, joint)
+
+
+def _second_moments(xc: Tensor, o_sum: Tensor, ref_o: Tensor, n: Tensor, bf16: bool, from_folds: bool,
+                    joint: bool) -> tuple[Tensor, Tensor]:
+    """(oo (H, d, d), joint (H d, H d)), float64, uncentred from the centred float32 outputs `xc` (N, H d) with
+    their sums `o_sum` (H, d) and centre `ref_o` (H d,). `from_folds`: both empty, derived from the folds once the
+    layer is complete; without `joint`, joint empty and each head's own block computed alone."""
+    H, D = o_sum.shape
+    if from_folds:
+        oo, joint = (torch.zeros(0, dtype=torch.float64, device=xc.device) for _ in range(2))
+        return oo, joint
+    if joint:
+        with matmul_precision(bf16):
+            joint_c = gram(xc, H)
+        joint = uncentre(joint_c, o_sum.view(-1), ref_o, n)  # (H*d, H*d)
+        oo = torch.diagonal(joint.view(H, D, H, D), dim1=0, dim2=2).permute(2, 0, 1).contiguous()  # (H, d, d)
+        return oo, joint
+    with matmul_precision(bf16):  # each head's own block only, from the same centred float32 values
+        oo = uncentre(head_grams(xc.view(xc.shape[0], H, D)), o_sum, ref_o.view(H, D), n)
+    return oo, torch.zeros(0, dtype=torch.float64, device=oo.device)
 
 
 def _channels(xc: Tensor, u: Tensor, r: Tensor | None, u_ref: tuple[Tensor, Tensor], w_ref: tuple[Tensor, Tensor],

@@ -9,6 +9,7 @@ pretrained encoder can be measured before and after pruning.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -221,14 +222,14 @@ def load(path: str | Path, dtype: str | None = None, device: str | None = None, 
     if is_per_layer(d):
         cls = per_layer_class(path, d)
         config = cls.config_class.from_pretrained(folder)
-        build = lambda: cls(config)  # noqa: E731
+        build = functools.partial(cls, config)
     else:
         if "auto_map" in d:
             raise CheckpointError(f"{path} needs its own modeling code (auto_map) and is not a pruner per-layer "
                                   "checkpoint; load it with transformers and trust_remote_code=True if you trust it")
         config = AutoConfig.from_pretrained(folder)
         cls = auto_class(config)
-        build = lambda: cls.from_config(config)  # noqa: E731
+        build = functools.partial(cls.from_config, config)
     if Path(folder).exists():
         check_weights(build, Path(folder))
     model = cls.from_pretrained(folder, config=config, **kwargs)

@@ -139,9 +139,18 @@ class _Expected:
         return got, want, cached
 
 
+@dataclass(frozen=True)
+class StreamedWrite:
+    """How `save_streamed` writes: storage dtype and the progress bar."""
+
+    dtype: str | None = None  # the storage dtype ("float16", ...); None: the lazy model's own
+    progress: bool = False    # a progress bar, one step per layer
+    label: str = "model/"     # what the bar says is being written
+
+
 def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, list[int]],
-                  comp: surgery.Compensation | None, removed: bool, dtype: str | None = None,
-                  progress: bool = False, label: str = "model/") -> saving.Saved:
+                  comp: surgery.Compensation | None, removed: bool, write: StreamedWrite = StreamedWrite()
+                  ) -> saving.Saved:
     """Prune `lazy`'s model block by block into `folder` (an existing, empty folder) and prove it reloads.
 
     The same checkpoint `saving.save` writes for the pruned model in memory (the same tensors, config and
@@ -157,6 +166,7 @@ def save_streamed(lazy: LazyBlocks, tokenizer, folder: Path, heads: dict[int, li
     if planned.bias:  # every block gets the (zero) biases the config will declare, before any is written
         surgery.enable_attention_bias(model)
         lazy.zero_missing_bias = True
+    dtype, progress, label = write.dtype, write.progress, write.label
     store = getattr(torch, dtype) if dtype else lazy.dtype
     expected = _Expected(model, lazy.device, store)
     total = len(lazy.prefixes) + 1

@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     ex = recipe.export
     if ex.format != "none":  # the recipe's export section: the same as `pruner export RUN_DIR`
         try:
-            done = export.export_run(out, ex.format, out / f"export-{ex.format}", repo_id=ex.push_to_hub,
-                                     private=ex.private)
+            done = export.export_run(out, ex.format, out / f"export-{ex.format}",
+                                     hub=export.Hub(ex.push_to_hub, ex.private))
         except export.ExportError as e:
             raise export.ExportError(f"{e} (the run itself is complete in {out}/)") from None
         print_export(*done)
@@ -49,13 +49,34 @@ def print_summary(m: dict, out, compensated: bool) -> None:
     """What was pruned, what it cost, and whose convention sensitivity is shown."""
     from pruner.runs import folders
 
-    e = m["evaluation"]
+    _print_notes(m)
+    _print_evaluation(m)
+    _print_sensitivity(m)
+    _print_refit(m)
+    if m.get("layer_by_layer"):
+        print(f"layer by layer: {m['layer_by_layer']}")
+    if m.get("bench"):
+        from pruner.evaluation.bench import BenchResult
+
+        print(BenchResult.from_dict(m["bench"]).summary())
+    _print_model(m, out)
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
+          + (f", {folders.COMPENSATION_FILE})" if compensated else ")"))
+
+
+def _print_notes(m: dict) -> None:
+    """The selection, automatic-choice and compensation notes, each where the run has one."""
     if m.get("selection_note"):
         print(f"\n{m['selection_note']}")
     if m.get("auto"):
         print(f"\n{m['auto']['line']}")
     if m.get("compensation_note"):
         print(f"\n{m['compensation_note']}")
+
+
+def _print_evaluation(m: dict) -> None:
+    """What was pruned, and the perplexity, fidelity and task changes it cost."""
+    e = m["evaluation"]
     print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
           f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
     print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "
@@ -66,6 +87,10 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         for metric, d in metrics.items():
             print(f"{task} {metric} {d['base']:.3f} -> {d['pruned']:.3f}  (change {d['delta']:+.3f}, "
                   f"95% CI [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], {d['docs']} documents)")
+
+
+def _print_sensitivity(m: dict) -> None:
+    """The convention sensitivity: of this plan, or of a naive cosine plan when the scorer reads one convention."""
     sens = m.get("convention_sensitivity")
     if sens and sens.get("of_this_plan"):
         print(f"convention sensitivity: {sens['changed']} of the {m['pruned_heads']} pruned heads change between "
@@ -74,6 +99,10 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"convention sensitivity of a naive cosine-redundancy plan at the same target (not the plan pruned "
               f"here, whose scorer reads {m['convention']}): {sens['changed']} of its {m['pruned_heads']} heads "
               f"change between the {sens['convention']} and {sens['other']} conventions")
+
+
+def _print_refit(m: dict) -> None:
+    """A refit's ridge(s) and how much of the pruned heads' energy the kept heads rebuild."""
     fit = m.get("refit")
     if fit:
         worst = max(fit["layers"].items(), key=lambda kv: kv[1]["unexplained"] / max(kv[1]["pruned"], 1e-300))
@@ -82,12 +111,10 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         print(f"refit compensation ({fit['mode']}, {ridge}): the kept heads rebuild "
               f"{1 - fit['unexplained'] / max(sum(v['pruned'] for v in fit['layers'].values()), 1e-300):.0%} "
               f"of the pruned heads' energy; least in layer {worst[0]} (see report.md)")
-    if m.get("layer_by_layer"):
-        print(f"layer by layer: {m['layer_by_layer']}")
-    if m.get("bench"):
-        from pruner.evaluation.bench import BenchResult
 
-        print(BenchResult.from_dict(m["bench"]).summary())
+
+def _print_model(m: dict, out) -> None:
+    """Whether model/ was saved, and if so what it is and what loads it."""
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     elif m["surgery"] == "mask":
@@ -103,5 +130,3 @@ def print_summary(m: dict, out, compensated: bool) -> None:
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
         if m.get("model_note"):
             print(f"model/: {m['model_note']}")
-    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
-          + (f", {folders.COMPENSATION_FILE})" if compensated else ")"))

@@ -267,23 +267,44 @@ def _recording(model, calls: list[BlockCall], storage) -> Iterator[None]:
             layers[i] = b
 
 
-@torch.no_grad()
-def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device,
-               before_call: Callable[[int, int], None] | None = None,
-               after_layer: Callable[[int], None] | None = None, progress=None,
-               rerun: Callable[[int], AbstractContextManager | None] | None = None,
-               within: Callable[[int], AbstractContextManager] | None = None,
-               spill: Spill | None = None) -> list[BlockCall]:
-    """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
+@dataclass(frozen=True)
+class PassOptions:
+    """How a layer-by-layer pass runs its windows through the blocks."""
+
+    device: str | torch.device = "cpu"   # where each onloaded block computes
+    batch_size: int = 8                  # calibration windows per forward
+    progress: bool = False               # a progress bar, one step per layer
+    storage: str | torch.device = "cpu"  # where every window's hidden states wait between blocks
+
+
+@dataclass(frozen=True)
+class BlockHooks:
+    """What `run_blocks` calls around each block; every hook optional.
 
     `before_call(layer, i)` runs before call i of a layer (a capture sets which batch the attention sees);
     `after_layer(layer)` after the layer's last call, before it is offloaded. `rerun(layer)`, after that:
     a context (a scoped mask, say) to run the layer's calls again in, from the same inputs, so that the
     next block sees the changed block's outputs -- or None to keep the first outputs. `within(layer)`: a
     context the layer's calls run in (a scoped mask of its pruned heads: the pruned model, a block at a
-    time). With `spill` the hidden states live in its files (block 0's inputs moved there first). Returns the
-    calls with the last block's output as their hidden states.
+    time).
     """
+
+    before_call: Callable[[int, int], None] | None = None
+    after_layer: Callable[[int], None] | None = None
+    rerun: Callable[[int], AbstractContextManager | None] | None = None
+    within: Callable[[int], AbstractContextManager] | None = None
+
+
+@torch.no_grad()
+def run_blocks(onloader: Onloader, calls: list[BlockCall], n_layers: int, device, hooks: BlockHooks = BlockHooks(),
+               progress=None, spill: Spill | None = None) -> list[BlockCall]:
+    """Every call through block 0, then block 1, ...: each block onloaded once, offloaded after its last call.
+
+    `hooks` run before each call, after each layer, and around a layer's calls (`BlockHooks`). With `spill`
+    the hidden states live in its files (block 0's inputs moved there first). Returns the calls with the last
+    block's output as their hidden states.
+    """
+    before_call, after_layer, rerun, within = hooks.before_call, hooks.after_layer, hooks.rerun, hooks.within
     if spill is not None:
         spill.hold(calls)
     for layer in range(n_layers):
@@ -352,7 +373,8 @@ def blockwise(model, onloader: Onloader, batches: list[tuple[torch.Tensor, torch
     runs the model's own code after the blocks on that batch's last hidden states."""
     calls = first_block_calls(model, batches, device)
     with spilled(onloader) as spill:
-        run_blocks(onloader, calls, len(arch.blocks(model)), device, progress=progress, within=within, spill=spill)
+        run_blocks(onloader, calls, len(arch.blocks(model)), device, BlockHooks(within=within), progress=progress,
+                   spill=spill)
         if progress is not None:
             progress.close()
         with replayed(model) as replay:

@@ -13,6 +13,7 @@ samples in the same order; one source with nothing held back gives exactly `data
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -90,14 +91,24 @@ def hold_back(batch: TokenBatch, n: int, seed: int, name: str = "the text") -> t
             take(batch, sorted(held)))
 
 
+@dataclass(frozen=True)
+class Draw:
+    """How many samples `mixed_samples` draws, with which seed, and how many of them it holds back."""
+
+    num_samples: int | None = None  # samples in all, None: every sample of every source
+    seed: int = 0                   # which samples, their order, and which are held back
+    holdout: int = 0                # samples held back (out of each source's share)
+
+
 def mixed_samples(tokenizer, corpora: Sequence[Sequence[str]], unit: str, length: int, *, weights=None,
-                  bos: bool = True, num_samples: int | None = None, seed: int = 0, holdout: int = 0,
-                  names: Sequence[str] | None = None) -> tuple[TokenBatch, TokenBatch | None]:
+                  bos: bool = True, draw: Draw = Draw(), names: Sequence[str] | None = None
+                  ) -> tuple[TokenBatch, TokenBatch | None]:
     """(calibration samples, held-back samples or None) from the documents of each source in `corpora`.
 
-    `weights` (default: equal shares) divide `num_samples` (None: every sample of every source) and
-    `holdout` between the sources; the held-back samples come out of each source's share.
+    `weights` (default: equal shares) divide `draw.num_samples` (None: every sample of every source) and
+    `draw.holdout` between the sources; the held-back samples come out of each source's share.
     """
+    num_samples, seed, holdout = draw.num_samples, draw.seed, draw.holdout
     names = list(names or [f"source {i + 1}" for i in range(len(corpora))])
     weights = list(weights) if weights is not None else [1.0] * len(corpora)
     counts = shares(num_samples, weights) if num_samples is not None else [None] * len(corpora)

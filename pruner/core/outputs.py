@@ -74,18 +74,7 @@ def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False) -> Iterator
     """
     out = Path(out)
     tmp = partial_dir(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        if resume_run and not resume.has_state(tmp):
-            raise FileExistsError(f"{out} is already complete: nothing to resume")
-        raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(out.parent, os.W_OK):
-            raise PermissionError(13, "permission denied")
-        tmp.mkdir(exist_ok=True)
-        fd = _lock(tmp, out)
-    except OSError as e:
-        raise PermissionError(f"cannot write the output folder {out}: {e.strerror or e}") from None
+    fd = _open_partial(out, tmp, overwrite, resume_run)
     resuming = resume_run and resume.has_state(tmp)
     if resume.has_state(tmp) and not resuming and not overwrite:
         os.close(fd)
@@ -106,10 +95,32 @@ def atomic_dir(out: Path, overwrite: bool, resume_run: bool = False) -> Iterator
                                 f"folder was removed; free space on {out.parent} and run again") from None
         raise
     try:
-        shutil.rmtree(tmp / resume.STATE, ignore_errors=True)
-        (tmp / LOCK).unlink(missing_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _publish(tmp, out)
     finally:
         os.close(fd)
+
+
+def _open_partial(out: Path, tmp: Path, overwrite: bool, resume_run: bool) -> int:
+    """Refuse a complete `out` (unless `overwrite`) or an unwritable parent; create and lock the partial `tmp`.
+    Returns the lock's file descriptor."""
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        if resume_run and not resume.has_state(tmp):
+            raise FileExistsError(f"{out} is already complete: nothing to resume")
+        raise FileExistsError(f"output folder {out} exists and is not empty; pass --overwrite to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(13, "permission denied")
+        tmp.mkdir(exist_ok=True)
+        return _lock(tmp, out)
+    except OSError as e:
+        raise PermissionError(f"cannot write the output folder {out}: {e.strerror or e}") from None
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """The finished partial folder, without its checkpoints and lock, renamed to `out` (replacing it)."""
+    shutil.rmtree(tmp / resume.STATE, ignore_errors=True)
+    (tmp / LOCK).unlink(missing_ok=True)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)

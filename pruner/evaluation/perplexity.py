@@ -97,10 +97,18 @@ def window_nll(model, windows: EvalWindows, batch_size: int = 8, progress: bool 
     return nll, count
 
 
+@dataclass(frozen=True)
+class BlockwisePass:
+    """`window_scores` one block at a time (`capture.onload: sequential`)."""
+
+    onloader: Onloader | None                                      # where the blocks come from (None: in memory)
+    device: str | torch.device = "cpu"                             # where each onloaded block computes
+    within: Callable[[int], AbstractContextManager] | None = None  # a scope each block runs under (a scoped mask)
+
+
 @torch.no_grad()
 def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bool = False,
-                  causal: bool = True, pool: bool = False, onloader: Onloader | None = None, device="cpu",
-                  within: Callable[[int], AbstractContextManager] | None = None):
+                  causal: bool = True, pool: bool = False, blocks: BlockwisePass | None = None):
     """Per-window NLL sums, target counts and, with `pool`, pooled embeddings — one forward pass.
 
     Causal LMs predict token t+1 at position t; masked LMs predict each labelled
@@ -108,12 +116,14 @@ def window_scores(model, windows: EvalWindows, batch_size: int = 8, progress: bo
     tokens (sentence-transformers' pooling). Returns (window,) float64, (window,)
     int, and (window, d) or None.
 
-    With `onloader` (`capture.onload: sequential`) the pass runs one block at a time
+    With `blocks.onloader` (`capture.onload: sequential`) the pass runs one block at a time
     (`pruner.core.layerwise`): every batch through block 0, then block 1, ..., each block
     run under `within(layer)` (a scoped mask: the pruned model without the whole of it in
     memory); the model's own code after the blocks then scores the last hidden states.
     The same numbers as the whole-model pass: the same blocks on the same inputs.
     """
+    onloader, device, within = (None, "cpu", None) if blocks is None else \
+        (blocks.onloader, blocks.device, blocks.within)
     model.eval()
     mine = torch.tensor(distributed.shard_indices(len(windows)), dtype=torch.long)  # several processes
     parts = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]

@@ -74,6 +74,18 @@ def spec_from_recipe(ev) -> TaskSpec:
 def harness_lm(model, tokenizer, bos: bool = True, batch_size: int = 8, progress: bool = False):
     """An lm-eval `HFLM` over `model` as it is at call time (any scoped mask active), encoding as pruner does."""
     _require_harness()
+    PrunerLM = _pruner_lm()
+    bos_id = data.bos_token_id(tokenizer) if bos else None
+    with _quiet():
+        # a copy: the harness may set a pad token on the tokenizer it is given
+        lm = PrunerLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), backend="causal",
+                      batch_size=batch_size, prefix_token_id=bos_id)
+    lm._pruner_bos, lm._pruner_progress = bos_id, progress
+    return lm
+
+
+def _pruner_lm() -> type:
+    """The `HFLM` subclass `harness_lm` builds: made at call time, since lm-eval is an optional extra."""
     from lm_eval.models.huggingface import HFLM
 
     class PrunerLM(HFLM):
@@ -113,13 +125,7 @@ def harness_lm(model, tokenizer, bos: bool = True, batch_size: int = 8, progress
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not self._pruner_progress)
 
-    bos_id = data.bos_token_id(tokenizer) if bos else None
-    with _quiet():
-        # a copy: the harness may set a pad token on the tokenizer it is given
-        lm = PrunerLM(pretrained=model, tokenizer=copy.deepcopy(tokenizer), backend="causal",
-                      batch_size=batch_size, prefix_token_id=bos_id)
-    lm._pruner_bos, lm._pruner_progress = bos_id, progress
-    return lm
+    return PrunerLM
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ computed here once, so every attention-based scorer reuses one capture pass.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -134,51 +134,47 @@ def gradient_importance(model, batch: TokenBatch, progress: bool = False, loss_f
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
 
 
-def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, gradient: bool = False,
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """What `calibrate` measures beyond the capture, and how its passes run."""
+
+    gradient: bool = False                  # also the gradient scorer's importance: one backward pass per window
+    batch_size: int = 8                     # calibration windows per capture forward
+    seed: int = 0                           # masked LM's masks; the per-layer inputs' seed
+    progress: bool = False                  # progress bars
+    ridge: float | str = 1e-3               # refit compensation's (surgery.ridge): what the refit-aware scorer prices
+    checkpoints: resume.Checkpoints = resume.NONE  # both passes save their sums now and then, and resume from them
+    ablation: AblationRequest | tuple | None = None  # also single-head ablations (or its (compensation, samples))
+    curves: CurveRequest | None = None      # the selection curves to build a layer at a time (see `calibrate`)
+
+
+def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *,
               config: CaptureConfig = CaptureConfig(metrics=("cosine", "js"), outputs=True),
-              batch_size: int = 8, seed: int = 0, progress: bool = False, ridge: float | str = 1e-3,
-              checkpoints: resume.Checkpoints = resume.NONE, ablation: AblationRequest | tuple | None = None,
-              curves: CurveRequest | None = None) -> ScoringInputs:
+              options: CalibrationOptions = CalibrationOptions()) -> ScoringInputs:
     """Everything the scorers need, from one capture pass (and one gradient pass if asked).
 
-    `ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it
+    `options.ridge` is refit compensation's (surgery.ridge): the refit-aware scorer prices heads with it
     (with "auto", chosen per pruned set only once the set is known, it prices them at `PRICING_RIDGE`).
-    `ablation` = `AblationRequest` (or its (compensation, samples)): also measure heads removed alone on the
-    first `samples` calibration samples (`pruner.pruning.ablation`, the measured scorers).
-    With `checkpoints` both passes save their sums now and then and resume from them.
+    `options.ablation` = `AblationRequest` (or its (compensation, samples)): also measure heads removed alone on
+    the first `samples` calibration samples (`pruner.pruning.ablation`, the measured scorers).
+    With `options.checkpoints` both passes save their sums now and then and resume from them.
 
-    With `curves`, the selection curves asked for are built a layer at a time (each layer's W_O^T W_O formed,
-    used and dropped: `pruner.pruning.per_layer`) and the inputs keep the captured statistics, not the
+    With `options.curves`, the selection curves asked for are built a layer at a time (each layer's W_O^T W_O
+    formed, used and dropped: `pruner.pruning.per_layer`) and the inputs keep the captured statistics, not the
     weight-derived matrices; without, every layer's W_O^T W_O and cross energy are kept, so that any scorer
     can select from the inputs later (the studies').
     """
+    o = options
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=batch_size, progress=progress,
-                          checkpoints=checkpoints)
-    grad = None
-    if gradient:
-        if attends_causally(model):
-            loss_fn = _lm_example_loss
-        elif hasattr(model, "cls") or hasattr(model, "lm_head"):
-            masked = mlm_masks(batch, tokenizer, seed)
-
-            def loss_fn(m, b, i):
-                return mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])
-        else:
-            raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
-        grad = gradient_importance(model, batch, progress=progress, loss_fn=loss_fn, checkpoints=checkpoints)
+    stats = capture_stats(model, batch, sinks, tokenizer, config, batch_size=o.batch_size, progress=o.progress,
+                          checkpoints=o.checkpoints)
+    grad = _gradient(model, batch, tokenizer, o) if o.gradient else None
     increase, costs, short = None, {}, None
-    if ablation is not None:
-        ablation = ablation if isinstance(ablation, AblationRequest) else AblationRequest(*ablation)
-        short = None if "ablation-shortlist" not in ablation.scorers else \
-            shortlist_of(_proxy(model, stats, ridge, seed), ablation.shortlist)
-        measured = _ablations(model, batch, tokenizer, stats, ablation, ridge, seed, progress,
-                              None if "ablation" in ablation.scorers else short)
-        increase = measured.increase
-        costs = {name: measured.cost(None if name == "ablation" else short) for name in ablation.scorers}
-    if curves is not None:
-        finisher = LayerFinisher(model, curves, seed=seed, ridge=ridge)
+    if o.ablation is not None:
+        increase, costs, short = _measured(model, batch, tokenizer, stats, o)
+    if o.curves is not None:
+        finisher = LayerFinisher(model, o.curves, seed=o.seed, ridge=o.ridge)
         for layer in range(arch.geometry(model).n_layers):
             finisher.add(layer, stats.layer(layer))
         return replace(finisher.inputs(stats, grad, increase, costs), shortlist=short)
@@ -186,10 +182,38 @@ def calibrate(model, batch: TokenBatch, sinks: SinkSpec, tokenizer=None, *, grad
     intercept = tuple(arch.o_bias(model, layer) is not None for layer in range(len(grams)))
     joint = stats.outputs[0].has_joint
     return ScoringInputs(stats=stats, gram=diagonal_blocks(grams, arch.geometry(model)),
-                         weight_norm=weight_norms(model), gradient=grad, seed=seed,
+                         weight_norm=weight_norms(model), gradient=grad, seed=o.seed,
                          cross=cross_energy(stats.outputs, grams) if joint else None,
-                         layer_gram=grams if joint else None, intercept=intercept, ridge=pricing_ridge(ridge),
+                         layer_gram=grams if joint else None, intercept=intercept, ridge=pricing_ridge(o.ridge),
                          ablation=increase, costs=costs, shortlist=short)
+
+
+def _gradient(model, batch: TokenBatch, tokenizer, o: CalibrationOptions) -> torch.Tensor:
+    """The gradient scorer's (layer, head) importance with the model's own loss: next-token NLL, or masked LM's
+    on seeded masks."""
+    if attends_causally(model):
+        loss_fn = _lm_example_loss
+    elif hasattr(model, "cls") or hasattr(model, "lm_head"):
+        masked = mlm_masks(batch, tokenizer, o.seed)
+
+        def loss_fn(m, b, i):
+            return mlm_loss(m, *masked[i], b.attention_mask[i:i + 1])
+    else:
+        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    return gradient_importance(model, batch, progress=o.progress, loss_fn=loss_fn, checkpoints=o.checkpoints)
+
+
+def _measured(model, batch: TokenBatch, tokenizer, stats, o: CalibrationOptions
+              ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    """The single-head ablations asked for: (perplexity increases, each measured scorer's cost, the shortlist
+    the refit-aware proxy draws, or None when no scorer asks for one)."""
+    ablation = o.ablation if isinstance(o.ablation, AblationRequest) else AblationRequest(*o.ablation)
+    short = None if "ablation-shortlist" not in ablation.scorers else \
+        shortlist_of(_proxy(model, stats, o.ridge, o.seed), ablation.shortlist)
+    measured = _ablations(model, batch, tokenizer, stats, ablation, o,
+                          None if "ablation" in ablation.scorers else short)
+    costs = {name: measured.cost(None if name == "ablation" else short) for name in ablation.scorers}
+    return measured.increase, costs, short
 
 
 def _proxy(model, stats, ridge, seed: int) -> torch.Tensor:
@@ -203,10 +227,11 @@ def _proxy(model, stats, ridge, seed: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: AblationRequest, ridge, seed: int,
-               progress: bool, only: torch.Tensor | None) -> Ablations:
+def _ablations(model, batch: TokenBatch, tokenizer, stats, ablation: AblationRequest, o: CalibrationOptions,
+               only: torch.Tensor | None) -> Ablations:
     """Single-head ablations on the first samples (`only`: those heads), compensated as the run compensates
-    (masked LM: seeded masks)."""
+    (masked LM: seeded masks); `o`: its ridge, seed and progress."""
+    ridge, seed, progress = o.ridge, o.seed, o.progress
     kind, n = ablation.compensation, ablation.samples
     sub, labels = subset(batch, n), None
     if not attends_causally(model):

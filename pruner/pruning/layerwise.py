@@ -11,18 +11,21 @@ one line.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from pruner.attention.capture import CaptureConfig
-from pruner.attention.sequential import capture_layerwise
+from pruner.attention.sequential import LayerEnd, capture_layerwise
 from pruner.attention.sinks import SinkSpec
 from pruner.core import arch, distributed
 from pruner.core.data import TokenBatch
 from pruner.core.layerwise import (
     BlockCall,
+    BlockHooks,
     Onloader,
+    PassOptions,
     call_block,
     file_backed,
     first_block_calls,
@@ -38,33 +41,52 @@ from pruner.pruning.scoring import ScoringInputs
 from pruner.pruning.surgery import Compensation, masked
 
 
+@dataclass(frozen=True)
+class LayerwiseScoring:
+    """What a layer-by-layer calibration computes beyond the capture's sums."""
+
+    request: CurveRequest       # the selection curves built as each layer finishes
+    seed: int = 0               # selection's seed (the gradient scorer's MLM masks)
+    ridge: float | str = 1e-3   # a per-layer budget's refit ridge ("auto": chosen on fold moments)
+    gradient: bool = False      # also the gradient scorer's (layer, head) importance
+    ablation: object = None     # single-head ablations: refused (they need the whole model at once)
+
+
+@dataclass(frozen=True)
+class RefitOptions:
+    """How a layer-by-layer refit fits each layer."""
+
+    ridge: float | str = "auto"    # relative ridge, or "auto": chosen per layer on `folds` fold moments
+    folds: int = 4                 # calibration folds for ridge "auto"
+    chunk_size: int | None = None  # capture's query chunk (tokens); None: CaptureConfig's default
+
+
 def calibrate_layerwise(model, batch: TokenBatch, sinks: SinkSpec, tokenizer, config: CaptureConfig,
-                        onloader: Onloader, *, request: CurveRequest, device="cpu", batch_size: int = 8, seed: int = 0,
-                        progress: bool = False, ridge: float | str = 1e-3, gradient: bool = False,
-                        ablation=None) -> ScoringInputs | None:
-    """`calibrate` with one block resident at a time; see the module docstring. Each layer's curves (`request`)
-    are built, and a per-layer budget's layer compensated, the moment its sums are final (`pruner.pruning.per_layer`);
-    what is kept of its sums is their first moments. With several processes only rank 0 keeps the sums and
-    what is built from them (`capture_layerwise`): the others get None."""
-    if ablation:
+                        onloader: Onloader, scoring: LayerwiseScoring, options: PassOptions = PassOptions()
+                        ) -> ScoringInputs | None:
+    """`calibrate` with one block resident at a time; see the module docstring. Each layer's curves
+    (`scoring.request`) are built, and a per-layer budget's layer compensated, the moment its sums are final
+    (`pruner.pruning.per_layer`); what is kept of its sums is their first moments. With several processes only
+    rank 0 keeps the sums and what is built from them (`capture_layerwise`): the others get None."""
+    if scoring.ablation:
         raise ValueError("single-head ablations need the whole model at once: capture.onload: all, or a scorer "
                          "that reads the capture (sink-aware, refit-energy, fluctuation, output-norm, bos-sink, ...)")
     if not config.outputs:
         raise ValueError("calibration needs output moments (CaptureConfig(outputs=True))")
-    finisher = LayerFinisher(model, request, seed=seed, ridge=ridge,
+    finisher = LayerFinisher(model, scoring.request, seed=scoring.seed, ridge=scoring.ridge,
                              keep=lambda t: file_backed(t, getattr(onloader, "spill", None)))
-    stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, device, batch_size, progress,
-                              finish=finisher.finish)
+    stats = capture_layerwise(model, batch, sinks, tokenizer, config, onloader, options,
+                              LayerEnd(finish=finisher.finish))
     grad = None
-    if gradient:
-        grad = gradient_layerwise(model, batch, tokenizer, onloader, device=device, batch_size=batch_size,
-                                  seed=seed, progress=progress)
+    if scoring.gradient:
+        grad = gradient_layerwise(model, batch, tokenizer, onloader, device=options.device,
+                                  batch_size=options.batch_size, seed=scoring.seed, progress=options.progress)
     return None if stats is None else finisher.inputs(stats, grad)
 
 
 def refit_one_pass(model, heads: dict[int, list[int]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
-                   onloader: Onloader, *, ridge: float | str = "auto", folds: int = 4, chunk_size: int | None = None,
-                   device="cpu", batch_size: int = 8, progress: bool = False) -> Compensation:
+                   onloader: Onloader, refit: RefitOptions = RefitOptions(), options: PassOptions = PassOptions()
+                   ) -> Compensation:
     """Sequential refit in one layer-by-layer pass: each block refitted right after it is captured.
 
     Block l's output moments are captured on the inputs the blocks below, already pruned and refitted,
@@ -76,15 +98,12 @@ def refit_one_pass(model, heads: dict[int, list[int]], batch: TokenBatch, sinks:
     (float32 rounding apart, the same; the tests hold the fits to 1e-4 of their scale).
     `onloader` may be `pruner.core.layerwise.Resident(model, device)` for a model held in memory.
     """
-    return _refit_pass(model, [heads], batch, sinks, tokenizer, onloader, True,
-                       dict(ridge=ridge, folds=folds, chunk_size=chunk_size, device=device, batch_size=batch_size,
-                            progress=progress))[0]
+    return _refit_pass(model, heads, batch, sinks, tokenizer, onloader, refit, options)[0]
 
 
 def refit_oneshot_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
-                       onloader: Onloader, *, ridge: float | str = "auto", folds: int = 4,
-                       chunk_size: int | None = None, device="cpu", batch_size: int = 8,
-                       progress: bool = False) -> list[Compensation]:
+                       onloader: Onloader, refit: RefitOptions = RefitOptions(),
+                       options: PassOptions = PassOptions()) -> list[Compensation]:
     """One-shot refit of every plan in one layer-by-layer pass over the unpruned model, each layer's output
     moments captured again, fitted for every plan that prunes it, and dropped (docs/design.md §8.4).
 
@@ -93,22 +112,22 @@ def refit_oneshot_pass(model, plans: list[dict[int, list[int]]], batch: TokenBat
     calibration's own sums (the same windows through the same blocks and kernel; the tests hold them equal).
     Used where a plan is not known when a layer finishes (a global budget) and by `compare`.
     """
-    return _refit_pass(model, plans, batch, sinks, tokenizer, onloader, False,
-                       dict(ridge=ridge, folds=folds, chunk_size=chunk_size, device=device, batch_size=batch_size,
-                            progress=progress))
+    return _refit_pass(model, plans, batch, sinks, tokenizer, onloader, refit, options)
 
 
-def _refit_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sinks: SinkSpec, tokenizer,
-                onloader: Onloader, sequential: bool, opts: dict) -> list[Compensation]:
-    """Refits of `plans` from one layer-by-layer capture of the output moments: each layer's fitted from its
-    moments as captured, then -- `sequential` (one plan) -- its calls run again through the pruned, refitted block
-    for the next block to see, or -- one-shot -- the unpruned outputs passed on."""
+def _refit_pass(model, plans: dict[int, list[int]] | list[dict[int, list[int]]], batch: TokenBatch, sinks: SinkSpec,
+                tokenizer, onloader: Onloader, refit: RefitOptions, options: PassOptions) -> list[Compensation]:
+    """Refits from one layer-by-layer capture of the output moments: each layer's fitted from its moments as
+    captured, then -- one plan (a dict): sequential -- its calls run again through the pruned, refitted block for
+    the next block to see, or -- a list of plans: one-shot -- the unpruned outputs passed on."""
+    sequential = isinstance(plans, dict)
+    plans = [plans] if sequential else plans
     if len(batch) < distributed.world_size():
         raise ValueError(f"a layer-by-layer refit needs at least one calibration sample per process "
                          f"({len(batch)} samples, {distributed.world_size()} processes)")
-    ridge = opts["ridge"]
-    config = CaptureConfig(metrics=(), outputs=True, folds=opts["folds"] if ridge == "auto" else 0,
-                           **({} if opts["chunk_size"] is None else {"chunk_size": opts["chunk_size"]}))
+    ridge = refit.ridge
+    config = CaptureConfig(metrics=(), outputs=True, folds=refit.folds if ridge == "auto" else 0,
+                           **({} if refit.chunk_size is None else {"chunk_size": refit.chunk_size}))
     comps = [Compensation("refit") for _ in plans]
 
     def rerun(layer: int, sums) -> AbstractContextManager | None:
@@ -126,8 +145,7 @@ def _refit_pass(model, plans: list[dict[int, list[int]]], batch: TokenBatch, sin
             return None
         return masked(model, {layer: plans[0][layer]}, comps[0])
 
-    capture_layerwise(model, batch, sinks, tokenizer, config, onloader, opts["device"], opts["batch_size"],
-                      opts["progress"], rerun=rerun)
+    capture_layerwise(model, batch, sinks, tokenizer, config, onloader, options, LayerEnd(rerun=rerun))
     return comps
 
 
@@ -146,19 +164,14 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
     example. Weights get no gradient. With several processes each takes its share of the windows and the
     sums are added in rank order.
     """
-    causal = attends_causally(model)
-    if not causal and not (hasattr(model, "cls") or hasattr(model, "lm_head")):
-        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    causal = _lm_kind(model)
     g = arch.geometry(model)
     inputs, attn, labels = _loss_batches(batch, tokenizer, causal, seed, batch_size)
     total = torch.zeros(g.n_layers, g.n_heads, dtype=torch.float64)
     bar = tqdm(total=2 * g.n_layers, desc="gradient (layer by layer)", unit="layer") if progress else None
     try:
         with for_mask_gradients(model), spilled(onloader, keep_every_layer=True) as spill:
-            calls = first_block_calls(model, list(zip(inputs, attn)), device)
-            kept: list[list[torch.Tensor]] = [[] for _ in range(g.n_layers)]  # each block's inputs, per batch
-            run_blocks(onloader, calls, g.n_layers, device, lambda layer, i: kept[layer].append(calls[i].hidden),
-                       progress=bar, spill=spill)
+            calls, kept = _forward_keeping_inputs(model, onloader, list(zip(inputs, attn)), device, bar, spill)
 
             def keep(slot, i, x):
                 return x if spill is None or x is None else spill.put(slot, i, x)
@@ -180,6 +193,27 @@ def gradient_layerwise(model, batch: TokenBatch, tokenizer, onloader: Onloader, 
             bar.close()
     total = distributed.sum_in_rank_order(total)
     return total / total.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+
+
+def _lm_kind(model) -> bool:
+    """Whether the model is a causal LM (else a masked LM); refused without a language-model head."""
+    causal = attends_causally(model)
+    if not causal and not (hasattr(model, "cls") or hasattr(model, "lm_head")):
+        raise ValueError("the gradient scorer needs a language-model head (causal LM or masked LM)")
+    return causal
+
+
+def _forward_keeping_inputs(model, onloader: Onloader, batches: list, device, bar, spill
+                            ) -> tuple[list[BlockCall], list[list[torch.Tensor]]]:
+    """The forward pass a block at a time, keeping every block's input for every batch (for the backward pass):
+    (the calls, with the last block's outputs; [layer][batch] inputs)."""
+    n_layers = arch.geometry(model).n_layers
+    calls = first_block_calls(model, batches, device)
+    kept: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]  # each block's inputs, per batch
+    run_blocks(onloader, calls, n_layers, device,
+               BlockHooks(before_call=lambda layer, i: kept[layer].append(calls[i].hidden)),
+               progress=bar, spill=spill)
+    return calls, kept
 
 
 def _loss_batches(batch: TokenBatch, tokenizer, causal: bool, seed: int, batch_size: int

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,16 @@ def check_disk(folder: Path, need: int) -> None:
                             "recovery.tokens, or use recovery.teacher: resident")
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What `Cached.build` keeps of each token's teacher distribution."""
+
+    k: int                     # the top-k probabilities and token ids kept
+    temperature: float = 1.0   # the distillation temperature the targets are taken at
+    tail_samples: int = 0      # tokens sampled from the rest of the vocabulary, with their log-probabilities
+    seed: int = 0              # the tail samples' generator
+
+
 class Cached:
     """The teacher's top-k log-probabilities for every recovery window, on disk (rows: windows in order)."""
 
@@ -118,10 +129,12 @@ class Cached:
 
     @staticmethod
     @torch.no_grad()
-    def build(teacher, windows: data.TokenBatch, folder: Path, k: int, temperature: float = 1.0,
-              batch_size: int = 8, progress: bool = False, m: int = 0, seed: int = 0, onloader=None) -> "Cached":
-        """One pass of the teacher over `windows` (N, T) into `folder` (`m` tail samples a token, drawn from a
-        generator seeded by `seed`; with `onloader`, a block at a time); reused when already complete."""
+    def build(teacher, windows: data.TokenBatch, folder: Path, spec: CacheSpec, batch_size: int = 8,
+              progress: bool = False, onloader=None) -> "Cached":
+        """One pass of the teacher over `windows` (N, T) into `folder` (`spec.tail_samples` tail samples a token,
+        drawn from a generator seeded by `spec.seed`; with `onloader`, a block at a time); reused when already
+        complete."""
+        k, temperature, m, seed = spec.k, spec.temperature, spec.tail_samples, spec.seed
         folder = Path(folder)
         if (folder / "done").exists():
             return Cached(folder, temperature)

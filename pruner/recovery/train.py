@@ -229,14 +229,7 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
     """Distil into `student` (in place; the returned model is the one to save) and say what happened."""
     options = options or Options()
     model = methods.prepare(student, spec.method, options.dense_heads, spec.lora_rank, spec.lora_alpha, spec.seed)
-    plain = None
-    if sharding.active(spec):
-        if options.dense_heads and spec.method != "lora":
-            raise RecoveryError(f"recovery.fsdp trains a dense (mask) student with lora only: {spec.method} keeps its "
-                                "pruned heads at zero in whole weights; set recovery.method: lora, or recover it "
-                                "without fsdp")
-        plain = sharding.skeleton(model)
-        sharding.shard(model)
+    plain = _sharded(model, spec, options)
     steps = len(windows.train) // spec.batch_size
     every, save_every = cadence(spec, steps)
     start, guard, opt, sched = _resume(model, spec, steps, options.checkpoints)
@@ -266,10 +259,29 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
         resume.kill_point(f"{STAGE}:{done}")
     bar.close()
     seconds = time.perf_counter() - t0
-    improved = guard["best"] < guard["pruned"]
     _load_weights(model, guard["best_weights"])  # the best validation step (step 0: the pruned weights)
     if plain is not None:
         model = sharding.unsharded(model, plain)
+    return Trained(methods.finish(model, spec.method), _record(guard, spec, steps, start, last, seconds))
+
+
+def _sharded(model, spec: RecoverySpec, options: Options):
+    """recovery.fsdp: the model sharded in place; returns its unsharded skeleton to gather it into after (None
+    without fsdp). A dense (mask) student is refused but with lora."""
+    if not sharding.active(spec):
+        return None
+    if options.dense_heads and spec.method != "lora":
+        raise RecoveryError(f"recovery.fsdp trains a dense (mask) student with lora only: {spec.method} keeps its "
+                            "pruned heads at zero in whole weights; set recovery.method: lora, or recover it "
+                            "without fsdp")
+    plain = sharding.skeleton(model)
+    sharding.shard(model)
+    return plain
+
+
+def _record(guard: dict, spec: RecoverySpec, steps: int, start: int, last: float, seconds: float) -> dict:
+    """What the training did: steps, validation KL history, restarts, which weights were kept, and its notes."""
+    improved = guard["best"] < guard["pruned"]
     record = {"steps": steps, "steps_run": steps - start, "tokens": steps * spec.window_tokens,
               "validation_kl_pruned": guard["pruned"], "validation_kl_best": guard["best"],
               "best_step": guard["best_step"], "validation_history": guard["history"],
@@ -283,4 +295,4 @@ def train(student, targets, windows: Windows, spec: RecoverySpec, options: Optio
                      f"({guard['pruned']:.4f}): the pruned weights are kept")
     if notes:
         record["note"] = "; ".join(notes)
-    return Trained(methods.finish(model, spec.method), record)
+    return record

@@ -276,6 +276,19 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
         missing, spill = [], True  # the hidden states to files: that alone makes it fit
     if not missing:
         return memory_plan(model, sizes, samples, "sequential", device, systems, spill, read_ahead)
+    options, n = _alternatives(sizes, samples, systems, spill, short)
+    fits = [name for name, *option in options if not short(*option)]
+    if not fits and options:  # none alone: all of them together?
+        if not short(replace(sizes, folds=0, local=False), max(n, 1), False, True):
+            fits = [" and ".join(name for name, *_ in options)]
+    raise ResourceError(f"not enough memory for the layer-by-layer calibration: the {'; the '.join(missing)}; "
+                        + ("set " + ", or ".join(fits) if fits else "no setting here fits this machine: use one "
+                           "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
+
+
+def _alternatives(sizes: Sizes, samples: int, systems: bool, spill: bool, short) -> tuple[list[tuple], int]:
+    """The settings a refused layer-by-layer calibration could change, each as (what to set, and `short`'s
+    arguments with it set), and the largest halved sample count that fits (0 when none does)."""
     options = [] if spill else [("capture.hidden: disk (every window's hidden states in files under "
                                  "capture.spill_dir)", sizes, samples, systems, True)]
     if sizes.folds:
@@ -291,13 +304,7 @@ def check_sequential(model, sizes: Sizes, samples: int, device: str = "cpu", sys
         n //= 2
     if n >= 1:
         options.append((f"calibration.num_samples: {n} (fewer hidden states kept)", sizes, n, systems, spill))
-    fits = [name for name, *option in options if not short(*option)]
-    if not fits and options:  # none alone: all of them together?
-        if not short(replace(sizes, folds=0, local=False), max(n, 1), False, True):
-            fits = [" and ".join(name for name, *_ in options)]
-    raise ResourceError(f"not enough memory for the layer-by-layer calibration: the {'; the '.join(missing)}; "
-                        + ("set " + ", or ".join(fits) if fits else "no setting here fits this machine: use one "
-                           "with more memory (`pruner plan-memory RECIPE` shows the parts)"))
+    return options, n
 
 
 def meta_model(config):

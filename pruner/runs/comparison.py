@@ -36,13 +36,7 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
     if "refit" in compensations:
         check_refit_tokens(session)
     geom = arch.geometry(session.model)
-    jobs = [(s, p, b, g) for s in scorers for p in sparsities for b in budgets for g in gqa_modes]
-    configs = {}
-    for name, target, budget, gqa in jobs:
-        try:
-            configs[(name, target, budget, gqa)] = selection_config(recipe, session.model, target, budget, gqa)
-        except SelectionError as e:  # said in the job's records below
-            configs[(name, target, budget, gqa)] = e
+    configs = _configs(session, scorers, sparsities, budgets, gqa_modes)
     keys = tuple(dict.fromkeys(curve_key(get_scorer(n), geom, c) for (n, *_), c in configs.items()
                                if not isinstance(c, SelectionError)))
     inputs = scoring_inputs(session, [get_scorer(s) for s in scorers], CurveRequest(keys), compensations,
@@ -69,14 +63,32 @@ def compare(session: Session, scorers: list[str], sparsities: list[float], compe
             m = stage(session, f"compare-{len(records)}",
                       lambda comp=comp, plan=plan: evaluate_plan(session, plan.heads, comp, base))
             fit = compensating.refit_record(comp, spec, inputs)
-            records.append({**key, "compensation": kind, "pruned_heads": len(plan.entries),
-                            **({"note": note} if (note := shape_note(geom, cfg)) else {}),
-                            "heads": {str(k): v for k, v in plan.heads.items()}, **m,
-                            **({"scorer_cost": inputs.costs[key["scorer"]]}
-                               if inputs is not None and key["scorer"] in inputs.costs else {}),
-                            **({} if fit is None else {"unexplained": fit["unexplained"],
-                                                       "unexplained_relative": fit["relative"]})})
+            records.append(_record({**key, "compensation": kind}, plan, shape_note(geom, cfg), m, inputs, fit))
     return records
+
+
+def _configs(session: Session, scorers: list[str], sparsities: list[float], budgets: list[str],
+             gqa_modes: list[str]) -> dict:
+    """{(scorer, target, budget, GQA mode): its selection config, or the SelectionError saying why there is none},
+    in job order."""
+    jobs = [(s, p, b, g) for s in scorers for p in sparsities for b in budgets for g in gqa_modes]
+    configs = {}
+    for name, target, budget, gqa in jobs:
+        try:
+            configs[(name, target, budget, gqa)] = selection_config(session.recipe, session.model, target, budget,
+                                                                    gqa)
+        except SelectionError as e:  # said in the job's records below
+            configs[(name, target, budget, gqa)] = e
+    return configs
+
+
+def _record(key: dict, plan, note: str | None, metrics: dict, inputs, fit: dict | None) -> dict:
+    """One compared plan's record (`key`: its job and compensation), in the order of the keys written before."""
+    return {**key, "pruned_heads": len(plan.entries), **({"note": note} if note else {}),
+            "heads": {str(k): v for k, v in plan.heads.items()}, **metrics,
+            **({"scorer_cost": inputs.costs[key["scorer"]]}
+               if inputs is not None and key["scorer"] in inputs.costs else {}),
+            **({} if fit is None else {"unexplained": fit["unexplained"], "unexplained_relative": fit["relative"]})}
 
 
 def _plans(configs: dict, inputs, geom, only_root: bool) -> list[tuple[dict, object, object]]:

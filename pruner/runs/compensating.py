@@ -14,10 +14,10 @@ from __future__ import annotations
 from pruner.attention.capture import CaptureConfig, capture_stats
 from pruner.checkpoints import layout
 from pruner.core import distributed
-from pruner.core.layerwise import Resident
+from pruner.core.layerwise import PassOptions, Resident
 from pruner.pruning import surgery
 from pruner.pruning.compensation import compensate, refit_sequential
-from pruner.pruning.layerwise import refit_one_pass, refit_oneshot_pass
+from pruner.pruning.layerwise import RefitOptions, refit_one_pass, refit_oneshot_pass
 from pruner.pruning.scoring import ScoringInputs
 from pruner.runs.context import Session
 from pruner.runs.recipe import SurgerySpec
@@ -121,8 +121,8 @@ def _sequential(model, plan_heads: dict[int, list[int]], spec: SurgerySpec, sess
     if session.onloader is not None or not getattr(model, "hf_device_map", None):
         onloader = session.onloader or Resident(model, next(model.parameters()).device)
         return refit_one_pass(model, plan_heads, session.calibration, session.sinks, session.tokenizer,
-                              onloader, ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
-                              device=onloader.device, batch_size=r.calibration.batch_size)
+                              onloader, RefitOptions(spec.ridge, spec.folds, r.capture.chunk_size),
+                              PassOptions(device=onloader.device, batch_size=r.calibration.batch_size))
     cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=(), outputs=True,
                         folds=spec.folds if spec.ridge == "auto" else 0)
     last = {}
@@ -154,8 +154,8 @@ def oneshot_refits(session: Session, plans: list[dict[int, list[int]]], spec: Su
     r = session.recipe
     onloader = session.onloader or Resident(session.model, next(session.model.parameters()).device)
     return refit_oneshot_pass(session.model, plans, session.calibration, session.sinks, session.tokenizer,
-                              onloader, ridge=spec.ridge, folds=spec.folds, chunk_size=r.capture.chunk_size,
-                              device=onloader.device, batch_size=r.calibration.batch_size)
+                              onloader, RefitOptions(spec.ridge, spec.folds, r.capture.chunk_size),
+                              PassOptions(device=onloader.device, batch_size=r.calibration.batch_size))
 
 
 def refit_record(comp: surgery.Compensation, spec: SurgerySpec, inputs: ScoringInputs | None) -> dict | None:

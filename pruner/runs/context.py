@@ -70,9 +70,9 @@ def calibration_samples(recipe: Recipe, tokenizer, texts: list[str] | None = Non
     cal = recipe.calibration
     sources = cal.sources() if texts is None else ["(in memory)"]
     corpora = [texts] if texts is not None else [data.load_texts(_source(cal, s)) for s in sources]
+    draw = mixture.Draw(num_samples=cal.num_samples, seed=cal.seed, holdout=cal.held_back(recipe.auto()))
     return mixture.mixed_samples(tokenizer, corpora, cal.unit, cal.length, weights=cal.weights if texts is None
-                                 else None, bos=cal.bos, num_samples=cal.num_samples, seed=cal.seed,
-                                 holdout=cal.held_back(recipe.auto()), names=sources)
+                                 else None, bos=cal.bos, draw=draw, names=sources)
 
 
 def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: list[str] | None = None) -> EvalWindows:
@@ -87,13 +87,21 @@ def evaluation_windows(recipe: Recipe, model, tokenizer, causal: bool, texts: li
     return masked_lines(tokenizer, texts, ev.length, num_samples=ev.num_samples, seed=ev.seed)
 
 
-def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None,
-            calibration_texts: list[str] | None = None, evaluation_texts: list[str] | None = None,
-            evaluation: bool = True, checkpoints: resume.Checkpoints = resume.NONE,
-            whole_model: bool = True) -> Session:
+@dataclass(frozen=True)
+class Given:
+    """What a caller of `prepare` holds in memory instead of what the recipe names (None: the recipe's)."""
+
+    model: object = None
+    tokenizer: object = None
+    calibration_texts: list[str] | None = None
+    evaluation_texts: list[str] | None = None
+
+
+def prepare(recipe: Recipe, progress: bool = True, *, given: Given = Given(), evaluation: bool = True,
+            checkpoints: resume.Checkpoints = resume.NONE, whole_model: bool = True) -> Session:
     """Load (or take) the model and tokenizer, sample the calibration text, resolve the sinks.
 
-    `model`/`tokenizer` default to what `recipe.model` names; texts default to the
+    `given.model`/`given.tokenizer` default to what `recipe.model` names; texts default to the
     recipe's data sources. With `evaluation`, the evaluation windows are built now,
     so unusable evaluation text fails before any calibration compute. `checkpoints`:
     where a resumable run keeps its stages (`pruner.core.resume`). `whole_model`: whether a later stage
@@ -101,6 +109,8 @@ def prepare(recipe: Recipe, progress: bool = True, *, model=None, tokenizer=None
     is refused now. An unset `surgery.compensation` is resolved here (`SurgerySpec.resolved`), named in
     `Session.unset`.
     """
+    model, tokenizer = given.model, given.tokenizer
+    calibration_texts, evaluation_texts = given.calibration_texts, given.evaluation_texts
     unset = ("surgery.compensation",) if recipe.surgery.compensation is None else ()
     recipe = recipe.model_copy(update={"surgery": recipe.surgery.resolved()})  # every stage reads what the run uses
     if recipe.threads:

@@ -179,7 +179,7 @@ def write_streamed(run: Run, fmt: str, folder: Path, tmp: Path, out: Path, repo_
     tokenizer = loading.load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
     heads = provenance.check_fits(run.folder, run.plan, run.compensation, lazy.model)
     saved = streamed.save_streamed(lazy, tokenizer, tmp, heads, run.compensation, fmt == "compact",
-                                   storage_dtype(run, dtype), progress=True, label="the export")
+                                   streamed.StreamedWrite(storage_dtype(run, dtype), progress=True, label="the export"))
     return _with_card(run, fmt, lazy.model, saved, tmp, out, repo_id)
 
 
@@ -290,15 +290,24 @@ def push(folder: Path, repo_id: str, private: bool, message: str, client=None) -
     return f"{getattr(client, 'endpoint', None) or 'https://huggingface.co'}/{repo_id}"
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, repo_id: str | None = None,
-               private: bool = False, allow_changed_base: bool = False,
-               dtype: str | None = None, quantize: str | None = None) -> tuple[Exported, str | None]:
-    """`pruner export`: write the export, then push it when `repo_id` is given. Returns (export, url).
+@dataclass(frozen=True)
+class Hub:
+    """Where `export_run` pushes the export on the Hugging Face Hub (no `repo_id`: nowhere)."""
+
+    repo_id: str | None = None  # NAMESPACE/NAME
+    private: bool = False       # a private repository when it is created
+
+
+def export_run(run_dir: Path, fmt: str, out: Path, overwrite: bool = False, hub: Hub = Hub(),
+               allow_changed_base: bool = False, dtype: str | None = None,
+               quantize: str | None = None) -> tuple[Exported, str | None]:
+    """`pruner export`: write the export, then push it when `hub.repo_id` is given. Returns (export, url).
 
     A base model that is not the one the run was made from (provenance.json) is
     refused unless `allow_changed_base`, which the model card then records. `dtype`
     overrides the recipe's `export.dtype` (storage dtype; auto = the base checkpoint's own).
     """
+    repo_id, private = hub.repo_id, hub.private
     if repo_id:
         check_repo_id(repo_id)
     run = load_run(run_dir)

@@ -132,7 +132,8 @@ def save_model(result, folder: Path) -> None:
     try:
         if getattr(result, "onloader", None) is not None:  # layer by layer: pruned block by block as it is written
             saved = streamed.save_streamed(result.onloader, result.tokenizer, folder, result.plan.heads,
-                                           result.compensation, removed, dtype, progress=distributed.is_main())
+                                           result.compensation, removed,
+                                           streamed.StreamedWrite(dtype, progress=distributed.is_main()))
         else:
             saved = save_checkpoint(result.model, result.tokenizer, folder, removed=removed, dtype=dtype)
     except storage.CheckpointError as e:

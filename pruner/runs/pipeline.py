@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, replace
 from pruner.attention.capture import CaptureConfig
 from pruner.checkpoints import layout, streamed
 from pruner.core import arch, distributed
+from pruner.core.layerwise import PassOptions
 from pruner.evaluation import bench
-from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, window_scores
+from pruner.evaluation.perplexity import BlockwisePass, fidelity, latency_ms, paired_delta, window_scores
 from pruner.pruning import refit, surgery
 from pruner.pruning.ablation import AblationRequest
-from pruner.pruning.calibrate import calibrate
-from pruner.pruning.layerwise import calibrate_layerwise
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
+from pruner.pruning.layerwise import LayerwiseScoring, calibrate_layerwise
 from pruner.pruning.per_layer import CurveRequest
 from pruner.pruning.scoring import Scorer, ScoringInputs, get_scorer
 from pruner.pruning.selection import (
@@ -62,18 +63,20 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     if layerwise:  # one block resident at a time
         check_layerwise(session, sizes, any(s.needs_systems for s in scorers))
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,
-                                   session.onloader, request=request, device=session.onloader.device,
-                                   batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,
-                                   ridge=r.surgery.ridge, gradient=gradient, ablation=ablation)
+                                   session.onloader, LayerwiseScoring(request, seed=r.selection.seed,
+                                                                      ridge=r.surgery.ridge, gradient=gradient,
+                                                                      ablation=ablation),
+                                   PassOptions(session.onloader.device, r.calibration.batch_size, progress))
     if r.capture.memory_check:
         resources.check_memory(session.model, sizes)
-    return calibrate(session.model, session.calibration, session.sinks, session.tokenizer,
-                     gradient=gradient, config=cfg, batch_size=r.calibration.batch_size,
-                     seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge, checkpoints=session.checkpoints,
-                     ablation=AblationRequest(measured_compensation(r.surgery.compensation, kinds),
-                                              r.scorer.ablation_samples, r.scorer.shortlist,
-                                              tuple(s.name for s in scorers if s.needs_ablation)) if ablation else None,
-                     curves=request)
+    measured = AblationRequest(measured_compensation(r.surgery.compensation, kinds), r.scorer.ablation_samples,
+                               r.scorer.shortlist, tuple(s.name for s in scorers if s.needs_ablation)) \
+        if ablation else None
+    return calibrate(session.model, session.calibration, session.sinks, session.tokenizer, config=cfg,
+                     options=CalibrationOptions(gradient=gradient, batch_size=r.calibration.batch_size,
+                                                seed=r.selection.seed, progress=progress, ridge=r.surgery.ridge,
+                                                checkpoints=session.checkpoints,
+                                                ablation=measured, curves=request))
 
 
 def measured_compensation(compensation: str, kinds: list[str]) -> str:
@@ -182,8 +185,8 @@ def _window_scores(session: Session, plan_heads: dict[int, list[int]] | None = N
     ev, onloader = session.recipe.evaluation, session.onloader
     if onloader is not None:
         return window_scores(session.model, session.evaluation, ev.batch_size, progress, session.causal,
-                             pool=not session.causal, onloader=onloader, device=onloader.device,
-                             within=_block_scope(session, plan_heads, comp))
+                             pool=not session.causal,
+                             blocks=BlockwisePass(onloader, onloader.device, _block_scope(session, plan_heads, comp)))
     with surgery.masked(session.model, plan_heads or {}, comp):
         return window_scores(session.model, session.evaluation, ev.batch_size, progress, session.causal,
                              pool=not session.causal)
@@ -244,11 +247,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     the model in place."""
     t0 = time.time()
     recipe, model = session.recipe, session.model
-    if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
-        resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(model),
-                             "the pruned checkpoint (model/)")
-    if recipe.surgery.compensation == "refit":
-        check_refit_tokens(session)
+    _preflight(session)
     plan = make_plan(session, inputs, progress=progress)
     why = compensating.default_line(model, plan.heads, recipe.surgery) if "surgery.compensation" in session.unset \
         else None  # before the surgery: mean's bias read on the unpruned model
@@ -268,20 +267,9 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     # scoped mask: the same numbers as the surgery below
     m = stage(session, "evaluation", lambda: evaluate_plan(session, plan.heads, comp, base))
     gains = None if layerwise else measure_gains(session, plan.heads, comp, progress)  # the model is still the base
-    if layerwise:  # the surgery runs block by block as model/ is written; its skeleton says the size now
-        params_after = streamed.dry_run(session.onloader, plan.heads, comp, recipe.surgery.mode == "remove").params
-    else:
-        apply(model, plan.heads, comp, recipe.surgery.mode)
-        params_after = sum(p.numel() for p in model.parameters())
-    geom = plan.geometry
-    scorer = get_scorer(plan.scorer)
+    params_after = _prune(session, plan.heads, comp, layerwise)
     metrics = {
-        "model": recipe.model.path, "scorer": plan.scorer,
-        "convention": plan.convention or scorer.reads,
-        "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
-        "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
-        **({"compensation_note": why} if why else {}),
-        "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
+        **_plan_record(session, plan, why),
         "evaluation": m, "params_before": params_before, "params_after": params_after,
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if timed else None,
@@ -298,6 +286,38 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     result = RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
     recovery_stage.stage(session, result, progress)  # recovery.enabled: distil the base into the pruned model
     return result
+
+
+def _preflight(session: Session) -> None:
+    """Refusals before any compute: disk for the pruned checkpoint next to the checkpoints, tokens for a refit."""
+    if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
+        resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(session.model),
+                             "the pruned checkpoint (model/)")
+    if session.recipe.surgery.compensation == "refit":
+        check_refit_tokens(session)
+
+
+def _prune(session: Session, heads: dict[int, list[int]], comp, layerwise: bool) -> int:
+    """The surgery on the model in memory, or -- layer by layer -- its skeleton's size only (the surgery runs block
+    by block as model/ is written). Returns the parameters after."""
+    mode = session.recipe.surgery.mode
+    if layerwise:
+        return streamed.dry_run(session.onloader, heads, comp, mode == "remove").params
+    apply(session.model, heads, comp, mode)
+    return sum(p.numel() for p in session.model.parameters())
+
+
+def _plan_record(session: Session, plan: Plan, why: str | None) -> dict:
+    """The metrics' first keys: what was pruned, with which scorer, compensation and surgery (in this order)."""
+    recipe, geom = session.recipe, plan.geometry
+    return {
+        "model": recipe.model.path, "scorer": plan.scorer,
+        "convention": plan.convention or get_scorer(plan.scorer).reads,
+        "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
+        "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
+        **({"compensation_note": why} if why else {}),
+        "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
+    }
 
 
 def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +27,14 @@ from tqdm.auto import tqdm
 from pruner.checkpoints import loading
 from pruner.core import data, distributed, resume, runtime
 from pruner.core.host_memory import reuse_buffers
-from pruner.evaluation.perplexity import EvalWindows, pair_scores, paired_delta, perplexity, window_scores
+from pruner.evaluation.perplexity import (
+    BlockwisePass,
+    EvalWindows,
+    pair_scores,
+    paired_delta,
+    perplexity,
+    window_scores,
+)
 from pruner.recovery import data as rdata
 from pruner.recovery import teacher as rteacher
 from pruner.recovery.spec import GENERATED, RecoverySpec
@@ -58,8 +66,8 @@ def check(spec: RecoverySpec, evaluation=None, cache_folder: Path | None = None)
 
 
 def _nll(model, windows: EvalWindows, batch_size: int = 8, onloader=None):
-    return window_scores(model, windows, batch_size, causal=True, onloader=onloader,
-                         device="cpu" if onloader is None else onloader.device)[:2]
+    return window_scores(model, windows, batch_size, causal=True,
+                         blocks=BlockwisePass(onloader, "cpu" if onloader is None else onloader.device))[:2]
 
 
 def scores(teacher, model, windows: EvalWindows | None, teacher_onloader=None, base: bool = True):
@@ -82,8 +90,9 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
     every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
                             torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
     folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
-    return rteacher.Cached.build(teacher, every, folder, spec.top_k, spec.temperature, spec.batch_size, progress,
-                                 spec.tail_samples, spec.seed, onloader)
+    return rteacher.Cached.build(teacher, every, folder,
+                                 rteacher.CacheSpec(spec.top_k, spec.temperature, spec.tail_samples, spec.seed),
+                                 spec.batch_size, progress, onloader)
 
 
 def check_layerwise_teacher(spec: RecoverySpec) -> None:
@@ -95,46 +104,98 @@ def check_layerwise_teacher(spec: RecoverySpec) -> None:
                                   "(e.g. shakespeare:train) or set capture.onload: all")
 
 
-def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluation: EvalWindows | None = None,
-                   caches: tuple[Path | None, Path | None] = (None, None), options: Options | None = None,
-                   identity: dict | None = None, texts: list[str] | None = None, tasks=None,
-                   teacher_onloader=None, reload_teacher=None) -> Recovered:
-    """Distil `teacher` into `student` (same tokenizer) as `spec` says; perplexity before and after on
-    `evaluation` when given, and the downstream `tasks` (a `TaskSpec`) of the base, pruned and recovered models
-    when given. `caches`: (generated-data cache, teacher-cache folder), None: none / temporary. `texts`: the
-    recovery text given in memory (instead of `spec.data`). `teacher_onloader`: the teacher's blocks stay in its
-    checkpoint and its passes (the cache, the base perplexity) run a block at a time (`cached` only; the base's
-    task accuracy, which needs the whole model, is then not measured). `reload_teacher`: reads the teacher again;
-    given, a `cached` teacher's weights are freed while the student trains (the caller holds no other use of them)
-    and read again for the scores after. The method is decided and its memory checked before any text is
-    sampled (`recovery_memory`)."""
+@dataclass(frozen=True)
+class RecoveryText:
+    """Where `recover_models`' text comes from, and where what is made of it is cached."""
+
+    texts: list[str] | None = None     # the recovery text given in memory (instead of `spec.data`)
+    data_cache: Path | None = None     # the generated-data cache folder; None: none
+    teacher_cache: Path | None = None  # the teacher-cache folder; None: a temporary one
+    identity: dict | None = None       # the base's identity, which the generated-data cache is keyed by
+
+
+@dataclass(frozen=True)
+class TeacherAccess:
+    """How `recover_models` holds the teacher; the default: whole in memory throughout.
+
+    `onloader`: the teacher's blocks stay in its checkpoint and its passes (the cache, the base perplexity) run a
+    block at a time (`cached` only; the base's task accuracy, which needs the whole model, is then not measured).
+    `reload`: reads the teacher again; given, a `cached` teacher's weights are freed while the student trains (the
+    caller holds no other use of them) and read again for the scores after.
+    """
+
+    onloader: object = None
+    reload: Callable[[], object] | None = None
+
+
+@dataclass(frozen=True)
+class Measures:
+    """What `recover_models` measures on the models before and after."""
+
+    evaluation: EvalWindows | None = None  # perplexity (and KL to the teacher) before and after
+    tasks: object = None                   # a `TaskSpec`: downstream accuracy of the base, pruned and recovered
+
+
+def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, text: RecoveryText = RecoveryText(),
+                   measures: Measures = Measures(), options: Options | None = None,
+                   access: TeacherAccess = TeacherAccess()) -> Recovered:
+    """Distil `teacher` into `student` (same tokenizer) as `spec` says, on `text`; perplexity before and after on
+    `measures.evaluation` when given, and the downstream `measures.tasks` of the base, pruned and recovered models
+    when given. `access`: how the teacher is held (`TeacherAccess`). The method is decided and its memory checked
+    before any text is sampled (`recovery_memory`)."""
     options = options or Options()
-    if teacher_onloader is None and runtime.input_device(student).type == "cpu":
+    onloader, evaluation, tasks = access.onloader, measures.evaluation, measures.tasks
+    if onloader is None and runtime.input_device(student).type == "cpu":
         reuse_buffers()  # the same large buffers every step: reused, not mapped afresh (pruner.core.host_memory)
+    _check_pair(student, teacher)
+    n_train, n_val = check(spec)
+    release = spec.teacher == "cached" and onloader is None and access.reload is not None
+    spec, est, choice = recovery_memory.choose(student, teacher, spec, teacher_held=not release and
+                                               onloader is None,
+                                               teacher_bytes=0 if onloader is not None else None)
+    if choice and options.progress and distributed.is_main():
+        tqdm.write(choice)
+    if spec.data == GENERATED and text.texts is None:
+        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, text.data_cache, text.identity or {},
+                                  options.progress)
+    else:
+        windows = rdata.from_source(spec, tokenizer, n_train, n_val, text.texts)
+    base, before, kl_before = scores(teacher, student, evaluation, onloader)
+    task_base = None if not tasks or onloader is not None else _task_scores(tasks, teacher, tokenizer)
+    task_before = _task_scores(tasks, student, tokenizer) if tasks else None
+    done, teacher = _distil(student, teacher, spec, windows, text.teacher_cache, options, access, release)
+    record = {"method": spec.method, "teacher": spec.teacher,
+              "data": "(texts in memory)" if text.texts else windows.source, "epochs": windows.epochs,
+              "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"),
+              "memory_estimate": est.parts, **done.record}
+    if choice:
+        record["note"] = "; ".join(filter(None, [choice, record.get("note")]))
+    if evaluation is not None:
+        _, after, kl_after = scores(teacher, done.model, evaluation, onloader, base=False)
+        record["perplexity"] = {**perplexity_record(base, before, after), **divergence_record(kl_before, kl_after)}
+    if tasks:
+        record["tasks"] = tasks_record(task_base, task_before, _task_scores(tasks, done.model, tokenizer), tasks.seed)
+    return Recovered(done.model, record)
+
+
+def _check_pair(student, teacher) -> None:
+    """Recovery distils a decoder from the model it was pruned from: refused for an encoder or another vocabulary."""
     if not runtime.attends_causally(student):
         raise rdata.RecoveryError("recovery distils next-token distributions: it is for decoders; this model "
                                   "attends both ways")
     if teacher.config.vocab_size != student.config.vocab_size:
         raise rdata.RecoveryError(f"the teacher's vocabulary ({teacher.config.vocab_size}) is not the student's "
                                   f"({student.config.vocab_size}): not the model it was pruned from")
-    n_train, n_val = check(spec)
-    release = spec.teacher == "cached" and teacher_onloader is None and reload_teacher is not None
-    spec, est, choice = recovery_memory.choose(student, teacher, spec, teacher_held=not release and
-                                               teacher_onloader is None,
-                                               teacher_bytes=0 if teacher_onloader is not None else None)
-    if choice and options.progress and distributed.is_main():
-        tqdm.write(choice)
-    if spec.data == GENERATED and texts is None:
-        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, caches[0], identity or {},
-                                  options.progress)
-    else:
-        windows = rdata.from_source(spec, tokenizer, n_train, n_val, texts)
-    base, before, kl_before = scores(teacher, student, evaluation, teacher_onloader)
-    task_base = None if not tasks or teacher_onloader is not None else _task_scores(tasks, teacher, tokenizer)
-    task_before = _task_scores(tasks, student, tokenizer) if tasks else None
-    tmp = caches[1] or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
+
+
+def _distil(student, teacher, spec: RecoverySpec, windows: rdata.Windows, cache: Path | None, options: Options,
+            access: TeacherAccess, release: bool):
+    """The teacher's targets (in `cache`, or a temporary folder, removed after), then the training. With `release`
+    the teacher's weights go while the student trains and are read again after. Returns (what `train` returns,
+    the teacher)."""
+    tmp = cache or Path(tempfile.mkdtemp(prefix="pruner-teacher-cache-"))
     try:
-        targets = _targets(spec, teacher, windows, tmp, options.progress, teacher_onloader)
+        targets = _targets(spec, teacher, windows, tmp, options.progress, access.onloader)
         if release:  # training holds only the student: the teacher's weights go, and are read again after
             teacher = teacher.to("meta")
             gc.collect()
@@ -142,19 +203,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, evaluatio
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if release:
-        teacher = reload_teacher()
-    record = {"method": spec.method, "teacher": spec.teacher,
-              "data": "(texts in memory)" if texts else windows.source, "epochs": windows.epochs,
-              "budget": spec.tokens, "seed": spec.seed, "spec": spec.model_dump(mode="json"),
-              "memory_estimate": est.parts, **done.record}
-    if choice:
-        record["note"] = "; ".join(filter(None, [choice, record.get("note")]))
-    if evaluation is not None:
-        _, after, kl_after = scores(teacher, done.model, evaluation, teacher_onloader, base=False)
-        record["perplexity"] = {**perplexity_record(base, before, after), **divergence_record(kl_before, kl_after)}
-    if tasks:
-        record["tasks"] = tasks_record(task_base, task_before, _task_scores(tasks, done.model, tokenizer), tasks.seed)
-    return Recovered(done.model, record)
+        teacher = access.reload()
+    return done, teacher
 
 
 def _task_scores(tasks, model, tokenizer) -> dict:
@@ -217,10 +267,10 @@ def stage(session, result, progress: bool = True) -> None:
 
     dense = result.plan.heads if session.recipe.surgery.mode == "mask" else None
     cache = session.checkpoints.folder / CACHE if session.checkpoints.active else None
-    done = recover_models(result.model, load(), session.tokenizer, spec, evaluation=session.evaluation,
-                          caches=(cache, cache and cache / TEACHER_CACHE),
-                          options=Options(session.checkpoints, dense, progress), tasks=_tasks_of(session.recipe),
-                          reload_teacher=load)
+    done = recover_models(result.model, load(), session.tokenizer, spec,
+                          text=RecoveryText(data_cache=cache, teacher_cache=cache and cache / TEACHER_CACHE),
+                          measures=Measures(session.evaluation, _tasks_of(session.recipe)),
+                          options=Options(session.checkpoints, dense, progress), access=TeacherAccess(reload=load))
     result.model = done.model
     result.metrics["recovery"] = done.record
 
@@ -290,11 +340,12 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
 
         windows = evaluation_windows(run.recipe, teacher, tokenizer, True)
         dense = run.heads if run.metrics["surgery"] == "mask" else None
-        done = recover_models(student, teacher, tokenizer, spec, evaluation=windows,
-                              caches=(run.folder / CACHE, tmp / TEACHER_CACHE),
+        done = recover_models(student, teacher, tokenizer, spec,
+                              text=RecoveryText(data_cache=run.folder / CACHE, teacher_cache=tmp / TEACHER_CACHE,
+                                                identity=ident),
+                              measures=Measures(windows, _tasks_of(run.recipe)),
                               options=Options(checkpoints, dense, progress and distributed.is_main()),
-                              identity=ident, tasks=_tasks_of(run.recipe), teacher_onloader=onloader,
-                              reload_teacher=lambda: _teacher(run.recipe, None)[0])
+                              access=TeacherAccess(onloader, lambda: _teacher(run.recipe, None)[0]))
         metrics = {**run.metrics, "recovery": done.record}
         if distributed.is_main():
             write_run(run, recipe, done.model, tokenizer, metrics, tmp)
