@@ -31,6 +31,7 @@ class ScoringInputs:
     weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
     gradient: Tensor | None = None  # Michel importance, when computed
     ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
+    layer_ablation: Tensor | None = None  # (layer,) measured loss increase of removing each layer's attention
     shortlist: Tensor | None = None  # (layer, head) bool: the heads ablation-shortlist measured
     seed: int = 0
     cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
@@ -99,6 +100,8 @@ class Scorer:
     reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
     reads_joint: bool = False   # the joint second moment of the layer's head outputs (and W_O^T W_O)
     reads_head_moments: bool = False  # each head's own output second moment and W_O,h^T W_O,h
+    unit: str = "head"          # what it ranks: "head" -> (layer, head) importances; "layer" -> (layer,)
+    reads_layer_cosine: bool = False  # the attention block's input/output cosine sums (CaptureConfig.layer_cosine)
 
     def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
         return self.fn(inputs, alive, convention or self.convention)
@@ -333,6 +336,49 @@ def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     return scores if inputs.position is None else scores[inputs.position[0]:inputs.position[0] + 1]
 
 
+# --------------------------------------------------------------------------- whole attention layers
+# Layer scorers return importance (layer,), higher = keep; selection.unit: layer removes the lowest.
+
+def _layer_sink_aware(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """The sink-aware reading of a whole layer: what removing its attention changes after mean compensation,
+    weighted by content share, relative to the residual stream. (layer,)
+
+    sum_{h,g} (1 - s_h) K[h, g] / R_l, with K the cross energy (`cross_energy`): sum_{h,g} K[h, g] is exactly
+    the energy of the perturbation E||W_O (o - E o)||^2 that removing every head of the layer leaves once their
+    mean output -- mostly the sink channel's near-constant vector, which later layers expect -- is folded into
+    the bias. A layer whose heads park their attention on the sink writes nearly a constant: mean compensation
+    keeps it, and its content share (1 - s_h) discounts what little varies. It is the head scorer's
+    `_sink_aware` with every head of the layer pruned at once.
+    """
+    if inputs.cross is None:
+        raise ValueError("the layer-sink-aware scorer needs the cross energy (the joint output moments)")
+    content = (1 - inputs.stats.sink_mass).to(inputs.cross.dtype)  # (layer, head)
+    energy = torch.einsum("lhg,lh->l", inputs.cross, content)
+    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(energy.shape[0])
+    return energy / residual.to(energy.dtype)
+
+
+def _layer_cosine(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """He et al. 2024 ("What Matters in Transformers? Not All Attention is Needed"): 1 - the mean cosine
+    similarity between the residual stream entering the attention sub-block and leaving it. (layer,)
+
+    A layer whose attention barely turns the stream (similarity near 1) is the most droppable. The cosine is
+    averaged over every real calibration token (sums and a count from the capture, padding-free)."""
+    if inputs.stats.attn_cosine is None:
+        raise ValueError("the layer-cosine scorer needs the attention blocks' input/output cosines "
+                         "(CaptureConfig(layer_cosine=True))")
+    return 1 - inputs.stats.attn_cosine
+
+
+def _layer_ablation(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
+    """Measured: the calibration-loss increase when the layer's whole attention is removed (with the run's
+    compensation), on a calibration subset: L + 1 passes (`pruner.pruning.ablation.layer_ablations`). (layer,)"""
+    if inputs.layer_ablation is None:
+        raise ValueError("the layer-ablation scorer needs measured layer ablations (calibrate with "
+                         "AblationRequest(..., scorers=('layer-ablation',)))")
+    return inputs.layer_ablation
+
+
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True, reads_joint=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
@@ -362,12 +408,29 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
                                                                                  "extra passes)"),
     Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
 ]}
+# The layer scorers (selection.unit: layer): a registry of their own, so every loop over the head scorers
+# (compare's default, the studies) stays as it was; `get_scorer` knows both.
+LAYER_SCORERS: dict[str, Scorer] = {s.name: s for s in [
+    Scorer("layer-sink-aware", _layer_sink_aware, reads_joint=True, unit="layer",
+           doc="a layer's energy left after mean compensation (its heads jointly) x content share, relative to "
+               "the residual stream", reads="sink and content channels separated (no convention)"),
+    Scorer("layer-cosine", _layer_cosine, reads_layer_cosine=True, unit="layer",
+           doc="He et al. 2024: cosine similarity of the attention block's input and output, highest removed "
+               "first", reads="the residual stream around the attention block"),
+    Scorer("layer-ablation", _layer_ablation, needs_ablation=True, unit="layer",
+           doc="measured: calibration-loss increase when the layer's attention is removed with the run's "
+               "compensation", reads="the loss (L extra passes)"),
+]}
+
+
+ALL_SCORERS: dict[str, Scorer] = {**SCORERS, **LAYER_SCORERS}
 
 
 def get_scorer(name: str) -> Scorer:
-    """A registered scorer; an unknown name lists the valid ones and suggests the nearest."""
-    if name in SCORERS:
-        return SCORERS[name]
-    near = difflib.get_close_matches(name, SCORERS, n=1)
+    """A registered scorer (head or layer); an unknown name lists the valid ones and suggests the nearest."""
+    if name in ALL_SCORERS:
+        return ALL_SCORERS[name]
+    near = difflib.get_close_matches(name, ALL_SCORERS, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
-    raise ValueError(f"unknown scorer {name!r}{hint}; valid: {', '.join(SCORERS)}")
+    raise ValueError(f"unknown scorer {name!r}{hint}; valid: {', '.join(SCORERS)}; layer scorers (selection.unit: "
+                     f"layer): {', '.join(LAYER_SCORERS)}")

@@ -11,10 +11,19 @@ import difflib
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pruner.core import mixture
-from pruner.pruning.scoring import SCORERS
+from pruner.pruning.scoring import ALL_SCORERS, LAYER_SCORERS, SCORERS
 from pruner.pruning.surgery import DEFAULT_COMPENSATION
 from pruner.recovery.spec import RecoverySpec
 
@@ -138,21 +147,33 @@ class ScorerSpec(_Strict):
         return [self.name] if self.name != "auto" else list(self.candidates or AUTO_SCORERS)
 
 
+def layer_scorers() -> list[str]:
+    """The registered scorers that rank whole attention layers (selection.unit: layer)."""
+    return list(LAYER_SCORERS)
+
+
 # every proxy scorer: what auto chooses among unless scorer.candidates says otherwise (random is a yardstick;
 # the measured ones cost passes per head: named in scorer.candidates, they are candidates too)
 AUTO_SCORERS = tuple(n for n, s in SCORERS.items() if n != "random" and not s.needs_ablation)
 
 
 def _scorer_name(v: str) -> str:
-    if v not in SCORERS:
-        near = difflib.get_close_matches(v, [*SCORERS, "auto"], n=1)
+    if v not in ALL_SCORERS:
+        near = difflib.get_close_matches(v, [*ALL_SCORERS, "auto"], n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}, auto")
+        raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}, auto; layer scorers "
+                         f"(selection.unit: layer): {', '.join(LAYER_SCORERS)}")
     return v
 
 
 class SelectionSpec(_Strict):
-    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1)")
+    unit: Literal["head", "layer"] = Field(
+        "head", description="head: prune attention heads; layer: remove whole attention layers (every head of the "
+                            "layer, its KV cache with them; a layer scorer, docs/scorers.md#whole-attention-layers). "
+                            "With layer, target is a fraction or a count of the layers, and the per-head "
+                            "constraints (budget, min_heads_per_layer, gqa, shape) do not apply: they are ignored")
+    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1); with "
+                                                   "unit: layer, of the layers")
     budget: Literal["global", "layer"] | None = Field(
         None, description="global: heads from anywhere; layer: the same count from every layer; unset: layer where "
                           "selection.shape: servable applies, global elsewhere")
@@ -184,6 +205,14 @@ class SelectionSpec(_Strict):
     def _whole_count(self, v: float) -> int | float:
         """Counts are saved as whole numbers, so a saved recipe reloads (8.0 would be refused)."""
         return int(v) if v >= 1 else v
+
+    @model_serializer(mode="wrap")
+    def _head_unit_unsaid(self, handler):
+        """`unit: head` (the default) is left out of a saved recipe, so every head recipe saves as before."""
+        out = handler(self)
+        if self.unit == "head":
+            out.pop("unit", None)
+        return out
 
 
 class SurgerySpec(_Strict):
@@ -377,6 +406,21 @@ class Recipe(_Strict):
             if pairs < 2:
                 raise ValueError(f"auto has a single candidate left ({self.scorer.choices()[0]} + "
                                  f"{self.surgery.choices()[0]}): name it instead, or give auto more candidates")
+        return self
+
+    @model_validator(mode="after")
+    def _unit_matches_scorer(self):
+        """A head scorer cannot rank layers, nor a layer scorer heads: refused before any compute."""
+        unit = self.selection.unit
+        if self.scorer.name == "auto" and unit == "layer":
+            raise ValueError("scorer.name: auto chooses among head scorers; selection.unit: layer takes a layer "
+                             f"scorer: {', '.join(layer_scorers())}")
+        wrong = [n for n in self.scorer.choices() if ALL_SCORERS[n].unit != unit]
+        if wrong:
+            unset = "" if "name" in self.scorer.model_fields_set else " (unset: the default)"
+            valid = layer_scorers() if unit == "layer" else list(SCORERS)
+            raise ValueError(f"scorer.name: {wrong[0]!r}{unset} scores {ALL_SCORERS[wrong[0]].unit}s and "
+                             f"selection.unit is {unit}: use one of {', '.join(valid)}")
         return self
 
     def auto(self) -> bool:
