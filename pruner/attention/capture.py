@@ -83,6 +83,7 @@ class Capture:
         self._saved_impl: str | None = None
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
         self._residual: torch.Tensor | None = None  # (layer,) sums of ||h||^2 over real tokens
+        self._cosine: torch.Tensor | None = None  # (layer,) sums of cos(h, h + attention) over real tokens
         self._tokens = 0
         self._kept: dict[int, tuple] = {}  # across_layers: layer -> (query, key, mask, scale, causal, bf16)
         self._n_layers = 0  # across_layers: self.layers holds one stacked entry of all layers' heads
@@ -97,6 +98,8 @@ class Capture:
         if self.config.outputs:  # the residual stream entering each block, which its heads write into
             self._hooks = [b.register_forward_pre_hook(self._residual_hook, with_kwargs=True)
                            for b in arch.blocks(self.model)]
+        if self.config.layer_cosine:  # ... and leaving its attention sub-block
+            self._hooks += cosine_hooks(self.model, self._cosine_hook)
         self._saved_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(IMPL)
         _ACTIVE = self
@@ -168,11 +171,14 @@ class Capture:
             sq = torch.stack(batch.residual)
             self._residual = sq if self._residual is None else self._residual + sq
             self._tokens += int(batch.mask2d.bool().sum())
+        if self.config.layer_cosine:
+            cos = torch.stack(batch.cosine)
+            self._cosine = cos if self._cosine is None else self._cosine + cos
 
     def state(self, cursor: int) -> dict:
         """The sums so far and how many of this process's batches they hold (`pruner.core.resume`)."""
         return {"cursor": cursor, "layers": resume.plain(self.layers), "residual": self._residual,
-                "tokens": self._tokens, "received": resume.plain(self._received), "n_layers": self._n_layers}
+                "cosine": self._cosine, "tokens": self._tokens, "received": resume.plain(self._received), "n_layers": self._n_layers}
 
     def _restore(self, state: dict | None) -> int:
         """Put saved sums back (each layer's on the device its attention runs on); returns the cursor."""
@@ -185,7 +191,7 @@ class Capture:
         layers = resume.unplain(state["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments,
                                                   "FoldMoments": moments.FoldMoments})
         self.layers = {i: s.to(device(i)) for i, s in layers.items()}
-        self._residual, self._tokens = state["residual"], state["tokens"]
+        self._residual, self._tokens, self._cosine = state["residual"], state["tokens"], state.get("cosine")
         self._received, self._n_layers = state["received"], state["n_layers"]
         return state["cursor"]
 
@@ -196,6 +202,17 @@ class Capture:
         h = (args[0] if args else kwargs["hidden_states"]).float()  # (B, T, d_model)
         sq = torch.einsum("btd,btd->bt", h, h)  # per token, float32
         self._batch.residual.append(sq[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
+        if self.config.layer_cosine:
+            self._batch.entering[len(self._batch.residual) - 1] = h
+
+    def _cosine_hook(self, layer: int, after: torch.Tensor) -> None:
+        """The stream after block `layer`'s attention sub-block (B, T, d_model): sum over real tokens of its
+        cosine with the stream that entered the block."""
+        if self._batch is None:
+            return
+        h = self._batch.entering.pop(layer)
+        cos = torch.nn.functional.cosine_similarity(h, after.float(), dim=-1)  # (B, T)
+        self._batch.cosine.append(cos[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
 
     def _fuses(self, dropout: float, kwargs: dict) -> bool:
         """Whether this attention call runs the fused path (else SDPA output + `_observe`)."""
@@ -335,10 +352,12 @@ class Capture:
             else:
                 layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
         layers = {i: s.completed().stored(self.config.moments) for i, s in layers.items()}
-        residual, tokens = self._residual, self._tokens
+        residual, tokens, cosine = self._residual, self._tokens, self._cosine
         if self.config.outputs and residual is not None:
-            both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))
-            residual, tokens = both[:-1], float(both[-1])
+            sums_ = [residual.double(), *([] if cosine is None else [cosine.double()]), torch.tensor([float(tokens)])]
+            both = distributed.reduce_tree(torch.cat(sums_))
+            residual, tokens = both[:len(residual)], float(both[-1])
+            cosine = None if cosine is None else both[len(residual):-1]
         if self.reduced and not distributed.is_main():
             return None
         if not layers:
@@ -347,8 +366,20 @@ class Capture:
         if self.config.across_layers:  # one stacked "layer" of every head: split it back into layers
             return sums.unstack_layers(stats, self._n_layers)
         if residual is not None:
-            stats = dataclasses.replace(stats, residual=residual / tokens)
+            stats = dataclasses.replace(stats, residual=residual / tokens,
+                                        attn_cosine=None if cosine is None else cosine / tokens)
         return stats
+
+
+def cosine_hooks(model, hook) -> list:
+    """Pre-hooks on each block's `post_attention` module (arch.Adapter), calling `hook(layer, stream)` with the
+    residual stream after the layer's attention sub-block; a family whose adapter does not name it is refused."""
+    ad = arch.adapter_for(model)
+    if ad.post_attention is None:
+        raise ValueError(f"the layer-cosine scorer reads the residual stream after the attention sub-block, which "
+                         f"pruner locates for llama-like, Gemma 3 and GPT-2 blocks, not {model.config.model_type}'s")
+    return [arch.get(b, ad.post_attention).register_forward_pre_hook(
+        lambda m, args, layer=layer: hook(layer, args[0])) for layer, b in enumerate(arch.blocks(model))]
 
 
 def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.3,
