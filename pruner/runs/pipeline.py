@@ -22,6 +22,7 @@ from pruner.evaluation.perplexity import fidelity, latency_ms, paired_delta, win
 from pruner.pruning import refit, surgery
 from pruner.pruning.ablation import AblationRequest
 from pruner.pruning.calibrate import calibrate
+from pruner.pruning.compensation import whole_layer_note
 from pruner.pruning.layerwise import calibrate_layerwise
 from pruner.pruning.per_layer import CurveRequest
 from pruner.pruning.scoring import Scorer, ScoringInputs, get_scorer
@@ -35,7 +36,7 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import calibration_needs, compensating, recovery_stage, resources
+from pruner.runs import calibration_needs, compensating, layer_plan, recovery_stage, resources
 from pruner.runs.context import Session, check_layerwise, resident
 from pruner.runs.recipe import Recipe
 
@@ -136,6 +137,8 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     calibration keeps). Layer by layer, a per-layer budget's refit is computed as each layer finishes.
     """
     recipe = session.recipe
+    if recipe.selection.unit == "layer":  # whole attention layers: the same stages, a plan of their heads
+        return layer_plan.make(session, inputs, progress)
     scorer = get_scorer(recipe.scorer.name)
     geom = arch.geometry(session.model)
     cfg = selection_config(recipe, session.model)
@@ -247,7 +250,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
         resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(model),
                              "the pruned checkpoint (model/)")
-    if recipe.surgery.compensation == "refit":
+    if recipe.surgery.compensation == "refit" and recipe.selection.unit == "head":  # an emptied layer's is mean
         check_refit_tokens(session)
     plan = make_plan(session, inputs, progress=progress)
     why = compensating.default_line(model, plan.heads, recipe.surgery) if "surgery.compensation" in session.unset \
@@ -257,6 +260,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
         resident(session)
     model = session.model
     comp = compensating.shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
+    note = whole_layer_note(model, plan.heads, recipe.surgery.compensation)  # refit in a layer with no head left
     fit = compensating.refit_record(comp, recipe.surgery, plan.calibration)
     cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
     if layerwise:  # what the sums were kept for is done: the evaluations and model/ read none of them
@@ -279,8 +283,10 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
         "model": recipe.model.path, "scorer": plan.scorer,
         "convention": plan.convention or scorer.reads,
         "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
+        **({"unit": "layer", "removed_layers": list(plan.layers)} if plan.unit == "layer" else {}),
         "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
         **({"compensation_note": why} if why else {}),
+        **({"layer_note": note} if note else {}),
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
         "evaluation": m, "params_before": params_before, "params_after": params_after,
         "latency_ms_before": latency_before,
