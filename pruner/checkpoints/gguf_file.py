@@ -7,9 +7,11 @@ Llama or Mistral:
 - `llama` when every layer keeps the same heads (what `selection.shape: servable` prunes);
 - `deci`, the architecture llama.cpp runs NVIDIA's Nemotron-NAS models with, when layers keep different
   head counts or a layer lost every head: it reads `attention.head_count` / `attention.head_count_kv` as
-  per-layer arrays and sizes each layer's q/k/v/o from them (0 heads would be a layer without attention;
-  pruner's surgery keeps at least one head per layer). Its block is otherwise Llama's, the
-  output-projection bias included.
+  per-layer arrays and sizes each layer's q/k/v/o from them (0 heads: a layer without attention, what
+  selection.unit: layer writes; its attention norm and projections are left out, and a compensation bias
+  with them, so such a layer must carry none; and not layer 0, whose head count llama.cpp reads the head
+  width from). Its block is otherwise Llama's, the output-projection bias
+  included.
 
 Both carry the key/value length and rope dimension explicitly (the head width stays the base's whatever
 the head count). transformers' Llama rotates the two halves of a head (`rotate_half`); llama.cpp's rope for
@@ -126,9 +128,21 @@ def family_refusal(kind: str, uniform: bool) -> str | None:
 def refusal(model) -> str | None:
     """Why llama.cpp cannot run this compact model as a GGUF pruner writes, naming what would; None if it can."""
     q, kv = forms.head_counts(model)
+    empty = [i for i, n in enumerate(q) if n == 0]  # selection.unit: layer
+    if empty and model.config.model_type in FAMILIES and not FAMILIES[model.config.model_type].per_layer:
+        return (f"llama.cpp's {FAMILIES[model.config.model_type].uniform} architecture sizes every layer from layer "
+                f"0's head count, so it cannot hold layers without attention ({empty}): export --format compact")
     family = family_refusal(model.config.model_type, len(set(q)) == 1 and len(set(kv)) == 1)
     if family:
         return family
+    if 0 in empty:  # llama.cpp: `n_embd_head_k = n_embd / n_head()` only when n_head() > 0, else head width 0
+        return ("llama.cpp reads the head width of every layer from layer 0's head count, so layer 0 must keep its "
+                "attention for a GGUF (this run removed it): export --format compact")
+    biased = [i for i in empty if arch.o_bias(model, i) is not None and bool(arch.o_bias(model, i).any())]
+    if biased:
+        return (f"llama.cpp's deci runs a layer without heads as attention-free, with no output bias, and layers "
+                f"{biased} carry their mean output there (mean compensation): surgery.compensation zero, or "
+                "export --format compact")
     if model.config.model_type == "gemma3_text":
         return _gemma3_refusal(model)
     rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
