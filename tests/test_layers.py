@@ -75,6 +75,13 @@ def test_layer_targets_against_the_model():
         check_layer_target(g, SelectionConfig(target=0.01))
 
 
+def test_compare_refuses_layer_scorers_before_any_compute():
+    import pruner
+
+    with pytest.raises(ValueError, match="compare ranks head scorers"):
+        pruner.compare("llama-shakespeare", scorers=["layer-cosine"], progress=False)
+
+
 def test_layer_scorers_have_their_own_registry():
     assert set(LAYER_SCORERS) == {"layer-sink-aware", "layer-cosine", "layer-ablation"}
     assert not set(LAYER_SCORERS) & set(SCORERS) and all(s.unit == "layer" for s in LAYER_SCORERS.values())
