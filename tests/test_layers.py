@@ -267,3 +267,13 @@ def test_llama_cpp_generates_the_pruned_models_tokens_without_the_last_layers_at
     plan = gguf_file.plan(model, tok)
     gguf_file.write(model, tok, tmp_path / "m.gguf", "float32", plan)
     assert len(llamacpp.check(tmp_path / "m.gguf", model)) > len(llamacpp.prompt(model.config.vocab_size))
+
+
+def test_a_run_folders_layer_plan_fits_its_base_and_a_head_plan_emptying_a_layer_does_not(tmp_path):
+    from pruner.runs import provenance
+
+    model = tiny_model("llama")
+    layer_plan = {"unit": "layer", "layers": [1], "heads": {"1": ALL}, "entries": []}
+    assert provenance.check_fits(tmp_path, layer_plan, None, model) == {1: ALL}  # export rebuilds it
+    with pytest.raises(provenance.ProvenanceError, match="emptying it"):
+        provenance.check_fits(tmp_path, {"heads": {"1": ALL}, "entries": []}, None, model)
