@@ -146,9 +146,6 @@ TABLES = {
                    _steps("eval.studies.gemma", "--split evaluation --scorers refit-energy,cosine,entropy "
                                                 "--compensations refit --windows 256"),
                    (f"{S}/gemma/evaluation.json",)),
-    "gemma-layers": Table("docs/scorers.md#whole-attention-layers: 2/4/6 of Gemma's 18 attention layers removed by each "
-                          "layer scorer, against query heads at the same count",
-                          _steps("eval.studies.gemma_layers", "--split dev"), (f"{S}/gemma/layers-dev.json",)),
     "refit-robust": Table("docs/evidence/compensation.md: refit against mean on a change of text",
                           _steps("eval.studies.refit_robust", "--split dev", "--split evaluation"),
                           (f"{S}/refit/robust_dev.json", f"{S}/refit/robust_evaluation.json")),
