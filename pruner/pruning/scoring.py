@@ -10,101 +10,15 @@ comparison runs through one code path.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from pruner.attention import composition as cp
-from pruner.attention.sums import HeadStats
 from pruner.pruning import refit
+from pruner.pruning.layer_scoring import LAYER_SCORERS
+from pruner.pruning.scoring_types import Scorer, ScoringInputs
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class ScoringInputs:
-    """Everything a scorer may read. Shapes: (layer, head) unless stated."""
-
-    stats: HeadStats            # captured statistics, with output moments
-    gram: Tensor | None         # (layer, head, d_head, d_head): W_O,h^T W_O,h (None once the curves are built)
-    weight_norm: Tensor         # ||[W_q,h; W_k,h; W_v,h; W_O,h]|| (magnitude baseline)
-    gradient: Tensor | None = None  # Michel importance, when computed
-    ablation: Tensor | None = None  # measured loss increase of removing each head alone, when computed
-    layer_ablation: Tensor | None = None  # (layer,) measured loss increase of removing each layer's attention
-    shortlist: Tensor | None = None  # (layer, head) bool: the heads ablation-shortlist measured
-    seed: int = 0
-    cross: Tensor | None = None   # (layer, head, head): cross_energy(stats, W_O)
-    layer_gram: Tensor | None = None  # (layer, H*d_head, H*d_head) float32: W_O^T W_O of each whole projection
-    intercept: tuple[bool, ...] = ()  # per layer: the projection has a bias, so refit fits an intercept
-    ridge: float = 1e-3               # refit's ridge (surgery.ridge): the refit-aware scorer prices heads with it
-    costs: dict = field(default_factory=dict)  # what the measured scorers' extra passes cost ({"ablation": ...})
-    position: tuple[int, int] | None = None  # a one-layer view: (its layer, the model's layers)
-    curves: dict = field(default_factory=dict, repr=False, compare=False)  # CurveKey -> each layer's removal order
-    #   (`pruner.pruning.curves`), built layer by layer while the layer's sums were whole
-    extra: dict = field(default_factory=dict, repr=False, compare=False)  # what calibration computed for later
-    #   stages while the sums were whole (the compensation of a per-layer budget, ...)
-    _systems: list = field(default_factory=list, repr=False, compare=False)  # refit_systems' cache
-    _costs: dict = field(default_factory=dict, repr=False, compare=False)  # refit_costs' per layer, by alive set
-
-    @property
-    def n_layers(self) -> int:
-        """The model's layers (a one-layer view knows how many the model has)."""
-        return self.position[1] if self.position is not None else int(self.stats.sink_mass.shape[0])
-
-    def layer(self, index: int) -> "ScoringInputs":
-        """Layer `index` alone: a one-layer view (slices, not copies) that scorers read as they read the whole,
-        with caches of its own. A scorer's importances of the view are the whole's row `index`: every scorer
-        prices a layer from that layer's data and per-layer scalars (`pruner.pruning.curves`)."""
-        cut = slice(index, index + 1)
-
-        def per(x):
-            return None if x is None else x[cut]
-
-        return ScoringInputs(stats=self.stats.layer(index), gram=per(self.gram), weight_norm=per(self.weight_norm),
-                             gradient=per(self.gradient), ablation=per(self.ablation),
-                             shortlist=per(self.shortlist), seed=self.seed,
-                             cross=per(self.cross), layer_gram=per(self.layer_gram), intercept=self.intercept[cut],
-                             ridge=self.ridge, costs=self.costs, position=(index, self.n_layers))
-
-    def release(self) -> None:
-        """Drop what `refit_systems` and `refit_costs` keep (a float64 (H d_head)^2 per layer): rebuilt if read
-        again."""
-        self._systems.clear()
-        self._costs.clear()
-
-    def refit_systems(self) -> list[refit.System]:
-        """Per layer, the refit system the refit-aware scorer evaluates; built on first use (one
-        Cholesky factor and inverse per layer, which scorers that do not need it never pay for)."""
-        if self.layer_gram is None:
-            raise ValueError("the refit-aware scorer needs the layers' W_O^T W_O (pruner.pruning.calibrate computes it)")
-        if not self._systems:
-            first = 0 if self.position is None else self.position[0]
-            for layer, (m, gram, icpt) in enumerate(zip(self.stats.outputs, self.layer_gram, self.intercept)):
-                mu, s = refit.second_moment(m.o, m.joint, m.tokens, icpt)
-                self._systems.append(refit.system(gram, mu if icpt else None, s, self.ridge, first + layer))
-        return self._systems
-
-
-@dataclass(frozen=True)
-class Scorer:
-    name: str
-    fn: Callable[[ScoringInputs, Tensor, str], Tensor]
-    adaptive: bool = False      # re-score among survivors after every removal
-    needs_gradient: bool = False
-    needs_ablation: bool = False  # L x H measured passes (`pruner.pruning.ablation`)
-    needs_systems: bool = False   # every layer's refit system (`ScoringInputs.refit_systems`: a float64
-    #                               (H d_head)^2 precision per layer, kept while it selects)
-    convention: str | None = None  # the convention a redundancy scorer compares heads under
-    doc: str = ""
-    reads: str = ""             # what it reads, for scorers without a convention (metrics.json, reports)
-    reads_joint: bool = False   # the joint second moment of the layer's head outputs (and W_O^T W_O)
-    reads_head_moments: bool = False  # each head's own output second moment and W_O,h^T W_O,h
-    unit: str = "head"          # what it ranks: "head" -> (layer, head) importances; "layer" -> (layer,)
-    reads_layer_cosine: bool = False  # the attention block's input/output cosine sums (CaptureConfig.layer_cosine)
-
-    def __call__(self, inputs: ScoringInputs, alive: Tensor, convention: str | None = None) -> Tensor:
-        return self.fn(inputs, alive, convention or self.convention)
 
 
 # --------------------------------------------------------------------------- output-side quantities
@@ -336,49 +250,6 @@ def _random(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
     return scores if inputs.position is None else scores[inputs.position[0]:inputs.position[0] + 1]
 
 
-# --------------------------------------------------------------------------- whole attention layers
-# Layer scorers return importance (layer,), higher = keep; selection.unit: layer removes the lowest.
-
-def _layer_sink_aware(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
-    """The sink-aware reading of a whole layer: what removing its attention changes after mean compensation,
-    weighted by content share, relative to the residual stream. (layer,)
-
-    sum_{h,g} (1 - s_h) K[h, g] / R_l, with K the cross energy (`cross_energy`): sum_{h,g} K[h, g] is exactly
-    the energy of the perturbation E||W_O (o - E o)||^2 that removing every head of the layer leaves once their
-    mean output -- mostly the sink channel's near-constant vector, which later layers expect -- is folded into
-    the bias. A layer whose heads park their attention on the sink writes nearly a constant: mean compensation
-    keeps it, and its content share (1 - s_h) discounts what little varies. It is the head scorer's
-    `_sink_aware` with every head of the layer pruned at once.
-    """
-    if inputs.cross is None:
-        raise ValueError("the layer-sink-aware scorer needs the cross energy (the joint output moments)")
-    content = (1 - inputs.stats.sink_mass).to(inputs.cross.dtype)  # (layer, head)
-    energy = torch.einsum("lhg,lh->l", inputs.cross, content)
-    residual = inputs.stats.residual if inputs.stats.residual is not None else torch.ones(energy.shape[0])
-    return energy / residual.to(energy.dtype)
-
-
-def _layer_cosine(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
-    """He et al. 2024 ("What Matters in Transformers? Not All Attention is Needed"): 1 - the mean cosine
-    similarity between the residual stream entering the attention sub-block and leaving it. (layer,)
-
-    A layer whose attention barely turns the stream (similarity near 1) is the most droppable. The cosine is
-    averaged over every real calibration token (sums and a count from the capture, padding-free)."""
-    if inputs.stats.attn_cosine is None:
-        raise ValueError("the layer-cosine scorer needs the attention blocks' input/output cosines "
-                         "(CaptureConfig(layer_cosine=True))")
-    return 1 - inputs.stats.attn_cosine
-
-
-def _layer_ablation(inputs: ScoringInputs, alive: Tensor, convention) -> Tensor:
-    """Measured: the calibration-loss increase when the layer's whole attention is removed (with the run's
-    compensation), on a calibration subset: L + 1 passes (`pruner.pruning.ablation.layer_ablations`). (layer,)"""
-    if inputs.layer_ablation is None:
-        raise ValueError("the layer-ablation scorer needs measured layer ablations (calibrate with "
-                         "AblationRequest(..., scorers=('layer-ablation',)))")
-    return inputs.layer_ablation
-
-
 SCORERS: dict[str, Scorer] = {s.name: s for s in [
     Scorer("sink-aware", _sink_aware, adaptive=True, reads_joint=True,
            doc="energy left after mean compensation (joint within a layer) x content share (1 - s), "
@@ -407,19 +278,6 @@ SCORERS: dict[str, Scorer] = {s.name: s for s in [
                "cheapest (scorer.shortlist of them), the rest kept above", reads="the loss (shortlist x L x H "
                                                                                  "extra passes)"),
     Scorer("random", _random, doc="seeded uniform", reads="nothing (seeded)"),
-]}
-# The layer scorers (selection.unit: layer): a registry of their own, so every loop over the head scorers
-# (compare's default, the studies) stays as it was; `get_scorer` knows both.
-LAYER_SCORERS: dict[str, Scorer] = {s.name: s for s in [
-    Scorer("layer-sink-aware", _layer_sink_aware, reads_joint=True, unit="layer",
-           doc="a layer's energy left after mean compensation (its heads jointly) x content share, relative to "
-               "the residual stream", reads="sink and content channels separated (no convention)"),
-    Scorer("layer-cosine", _layer_cosine, reads_layer_cosine=True, unit="layer",
-           doc="He et al. 2024: cosine similarity of the attention block's input and output, highest removed "
-               "first", reads="the residual stream around the attention block"),
-    Scorer("layer-ablation", _layer_ablation, needs_ablation=True, unit="layer",
-           doc="measured: calibration-loss increase when the layer's attention is removed with the run's "
-               "compensation", reads="the loss (L extra passes)"),
 ]}
 
 
