@@ -40,6 +40,7 @@ from pruner.attention import moments, sums
 from pruner.attention.autosinks import auto_sink_spec
 from pruner.attention.batch import ForwardBatch, valid_keys
 from pruner.attention.config import CaptureConfig
+from pruner.attention.layer_cosine import cosine_hooks
 from pruner.attention.sinks import SinkSpec, sink_mask
 from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch
@@ -99,7 +100,7 @@ class Capture:
             self._hooks = [b.register_forward_pre_hook(self._residual_hook, with_kwargs=True)
                            for b in arch.blocks(self.model)]
         if self.config.layer_cosine:  # ... and leaving its attention sub-block
-            self._hooks += cosine_hooks(self.model, self._cosine_hook)
+            self._hooks += cosine_hooks(self.model, lambda: self._batch)
         self._saved_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(IMPL)
         _ACTIVE = self
@@ -178,7 +179,8 @@ class Capture:
     def state(self, cursor: int) -> dict:
         """The sums so far and how many of this process's batches they hold (`pruner.core.resume`)."""
         return {"cursor": cursor, "layers": resume.plain(self.layers), "residual": self._residual,
-                "cosine": self._cosine, "tokens": self._tokens, "received": resume.plain(self._received), "n_layers": self._n_layers}
+                "cosine": self._cosine, "tokens": self._tokens, "received": resume.plain(self._received),
+                "n_layers": self._n_layers}
 
     def _restore(self, state: dict | None) -> int:
         """Put saved sums back (each layer's on the device its attention runs on); returns the cursor."""
@@ -202,17 +204,8 @@ class Capture:
         h = (args[0] if args else kwargs["hidden_states"]).float()  # (B, T, d_model)
         sq = torch.einsum("btd,btd->bt", h, h)  # per token, float32
         self._batch.residual.append(sq[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
-        if self.config.layer_cosine:
+        if self.config.layer_cosine:  # what the block's attention turns (`pruner.attention.layer_cosine`)
             self._batch.entering[len(self._batch.residual) - 1] = h
-
-    def _cosine_hook(self, layer: int, after: torch.Tensor) -> None:
-        """The stream after block `layer`'s attention sub-block (B, T, d_model): sum over real tokens of its
-        cosine with the stream that entered the block."""
-        if self._batch is None:
-            return
-        h = self._batch.entering.pop(layer)
-        cos = torch.nn.functional.cosine_similarity(h, after.float(), dim=-1)  # (B, T)
-        self._batch.cosine.append(cos[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
 
     def _fuses(self, dropout: float, kwargs: dict) -> bool:
         """Whether this attention call runs the fused path (else SDPA output + `_observe`)."""
@@ -369,17 +362,6 @@ class Capture:
             stats = dataclasses.replace(stats, residual=residual / tokens,
                                         attn_cosine=None if cosine is None else cosine / tokens)
         return stats
-
-
-def cosine_hooks(model, hook) -> list:
-    """Pre-hooks on each block's `post_attention` module (arch.Adapter), calling `hook(layer, stream)` with the
-    residual stream after the layer's attention sub-block; a family whose adapter does not name it is refused."""
-    ad = arch.adapter_for(model)
-    if ad.post_attention is None:
-        raise ValueError(f"the layer-cosine scorer reads the residual stream after the attention sub-block, which "
-                         f"pruner locates for llama-like, Gemma 3 and GPT-2 blocks, not {model.config.model_type}'s")
-    return [arch.get(b, ad.post_attention).register_forward_pre_hook(
-        lambda m, args, layer=layer: hook(layer, args[0])) for layer, b in enumerate(arch.blocks(model))]
 
 
 def resolve_auto_sinks(model, batch: TokenBatch, tokenizer=None, eps: float = 0.3,
