@@ -91,6 +91,13 @@ def print_summary(m: dict, out, compensated: bool) -> None:
         from pruner.evaluation.bench import BenchResult
 
         print(BenchResult.from_dict(m["bench"]).summary())
+    print_model_folder(m, out)
+    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
+          + (f", {folders.COMPENSATION_FILE})" if compensated else ")"))
+
+
+def print_model_folder(m: dict, out) -> None:
+    """What model/ holds and what loads it: a masked model is no smaller, so the summary says how to get one."""
     if not m["model_saved"]:
         print(f"model not saved: {m['model_not_saved_because']} (see {out}/model/NOT_SAVED.txt)")
     elif m["surgery"] == "mask":
@@ -106,5 +113,3 @@ def print_summary(m: dict, out, compensated: bool) -> None:
               f"(base {m['params_before']:,}), {m['model_bytes'] / 1e6:.1f} MB in {m['model_dtype']}")
         if m.get("model_note"):
             print(f"model/: {m['model_note']}")
-    print(f"wrote {out}/ (model, plan.json, metrics.json, recipe.yaml, report.md, provenance.json"
-          + (f", {folders.COMPENSATION_FILE})" if compensated else ")"))

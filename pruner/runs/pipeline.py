@@ -277,14 +277,8 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     else:
         apply(model, plan.heads, comp, recipe.surgery.mode)
         params_after = sum(p.numel() for p in model.parameters())
-    geom = plan.geometry
-    scorer = get_scorer(plan.scorer)
     metrics = {
-        "model": recipe.model.path, "scorer": plan.scorer,
-        "convention": plan.convention or scorer.reads,
-        "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
-        **({"unit": "layer", "removed_layers": list(plan.layers)} if plan.unit == "layer" else {}),
-        "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
+        **plan_record(plan, recipe), "compensation": recipe.surgery.compensation,
         **({"compensation_note": why} if why else {}),
         **({"layer_note": note} if note else {}),
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
@@ -304,6 +298,17 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     result = RunResult(plan, metrics, model, session.tokenizer, comp, recipe, session.onloader if layerwise else None)
     recovery_stage.stage(session, result, progress)  # recovery.enabled: distil the base into the pruned model
     return result
+
+
+def plan_record(plan: Plan, recipe: Recipe) -> dict:
+    """metrics.json's opening keys: what was pruned, by which scorer, of how many heads (a layer plan names its
+    layers, so a reader sees whole attention layers went, not heads spread over the model)."""
+    geom = plan.geometry
+    return {"model": recipe.model.path, "scorer": plan.scorer,
+            "convention": plan.convention or get_scorer(plan.scorer).reads,
+            "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
+            **({"unit": "layer", "removed_layers": list(plan.layers)} if plan.unit == "layer" else {}),
+            "total_heads": geom.n_layers * geom.n_heads}
 
 
 def measure_gains(session: Session, heads: dict[int, list[int]], compensation, progress: bool = True) -> dict | None:
