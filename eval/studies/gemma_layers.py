@@ -119,25 +119,8 @@ def cells(split: str, names: list[str], counts: list[int], compensations: list[s
 
 
 def tables(records: list[dict]) -> str:
-    """Per kind of text: scorer x compensation rows, one column per count of layers, `+delta [low, high]`."""
-    lines = []
-    counts = sorted({r["layers"] for r in records})
-    for text in gemma.KINDS:
-        rows = [r for r in records if r["text"] == text]
-        if not rows:
-            continue
-        lines += [f"\n{text} (base perplexity {rows[0]['base']:.2f}, {rows[0]['windows']} windows; KV cache freed: "
-                  "k/18 for layers, none for heads)\n",
-                  "| scorer | compensation | " + " | ".join(f"{k} layers" for k in counts) + " |",
-                  "|---|---|" + "---|" * len(counts)]
-        for name in dict.fromkeys(r["scorer"] for r in rows):
-            for kind in COMPENSATIONS:
-                got = {r["layers"]: r for r in rows if r["scorer"] == name and r["compensation"] == kind}
-                if got:
-                    lines.append(f"| {name} | {kind} | " + " | ".join(
-                        f"{got[k]['delta']:+.2f} [{got[k]['ci_low']:+.2f}, {got[k]['ci_high']:+.2f}]"
-                        if k in got else "" for k in counts) + " |")
-    return "\n".join(lines)
+    """`eval.studies.gemma`'s tables with one column per count of layers, and what each row frees."""
+    return gemma.tables(records, "layers", lambda k: f"{k} layers", "; KV cache freed: k/18 for layers, none for heads")
 
 
 def main() -> None:
