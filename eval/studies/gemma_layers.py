@@ -104,14 +104,14 @@ def cells(split: str, names: list[str], counts: list[int], compensations: list[s
                 plan = src["plans"][k] if name == "heads" else src["plans"][(name, k, kind)]
                 spec = s.recipe.surgery.model_copy(update={"compensation": kind})
                 comp = compensating.compensation(s.model, plan.heads, spec, src["inputs"])
+                label = name if name != "heads" else f"heads ({heads['scorer']})"  # as the record names it
                 for text, w in scored.items():
-                    if (name, k, kind, text) in done:
+                    if (label, k, kind, text) in done:
                         continue
                     t0 = time.time()
                     d = paired_delta(base[text], gemma.nll(s, w, plan.heads, comp), n_boot=1000, seed=0)
                     freed = 0.0 if name == "heads" else k / L  # 1 KV head per layer: a layer's share of the cache
-                    records.append(record(name if name != "heads" else f"heads ({heads['scorer']})", k, kind, text,
-                                          plan, d, freed, time.time() - t0))
+                    records.append(record(label, k, kind, text, plan, d, freed, time.time() - t0))
                     path.write_text(json.dumps(records, indent=1))
                     print(f"{name} {k} layers {kind} {text}: {d.delta:+.2f} [{d.ci_low:+.2f}, {d.ci_high:+.2f}] "
                           f"(KV cache freed {freed:.0%})", flush=True)
