@@ -157,11 +157,6 @@ def _scorer_name(v: str) -> str:
 class SelectionSpec(_Strict):
     target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1); with "
                                                    "unit: layer, of the layers")
-    unit: Literal["head", "layer"] = Field(
-        "head", description="head: prune attention heads; layer: remove whole attention layers (every head of the "
-                            "layer, its KV cache with them; a layer scorer, docs/scorers.md#whole-attention-layers). "
-                            "With layer, target is a fraction or a count of the layers, and the per-head "
-                            "constraints (budget, min_heads_per_layer, gqa, shape) do not apply: they are ignored")
     budget: Literal["global", "layer"] | None = Field(
         None, description="global: heads from anywhere; layer: the same count from every layer; unset: layer where "
                           "selection.shape: servable applies, global elsewhere")
@@ -177,6 +172,11 @@ class SelectionSpec(_Strict):
                                 "one through export --format gguf, and there the global budget is usually the lower perplexity: "
                                 "docs/export.md#which-plan-to-pick)")
     seed: int = 0
+    unit: Literal["head", "layer"] = Field(  # last, so every key before it lists as before ('valid here: ...')
+        "head", description="head: prune attention heads; layer: remove whole attention layers (every head of the "
+                            "layer, its KV cache with them; a layer scorer, docs/scorers.md#whole-attention-layers). "
+                            "With layer, target is a fraction or a count of the layers, and the per-head "
+                            "constraints (budget, min_heads_per_layer, gqa, shape) do not apply: they are ignored")
 
     @field_validator("target", mode="before")
     @classmethod
