@@ -144,20 +144,21 @@ def cells(split: str, scorers: list[str], targets: list[float], compensations: l
     return records
 
 
-def tables(records: list[dict]) -> str:
-    """Per kind of text: scorer x compensation rows, one column per target, `+delta [low, high]`."""
+def tables(records: list[dict], column: str = "target", heading=lambda t: f"{t:.0%}", note: str = "") -> str:
+    """Per kind of text: scorer x compensation rows, one column per value of `column` (a target here, a count of
+    layers in `eval.studies.gemma_layers`), `+delta [low, high]`; `note` ends each text's caption."""
     lines = []
-    targets = sorted({r["target"] for r in records})
+    targets = sorted({r[column] for r in records})
     for text in KINDS:
         rows = [r for r in records if r["text"] == text]
         if not rows:
             continue
-        lines += [f"\n{text} (base perplexity {rows[0]['base']:.2f}, {rows[0]['windows']} windows)\n",
-                  "| scorer | compensation | " + " | ".join(f"{t:.0%}" for t in targets) + " |",
+        lines += [f"\n{text} (base perplexity {rows[0]['base']:.2f}, {rows[0]['windows']} windows{note})\n",
+                  "| scorer | compensation | " + " | ".join(heading(t) for t in targets) + " |",
                   "|---|---|" + "---|" * len(targets)]
         for name in dict.fromkeys(r["scorer"] for r in rows):
             for kind in COMPENSATIONS:
-                got = {r["target"]: r for r in rows if r["scorer"] == name and r["compensation"] == kind}
+                got = {r[column]: r for r in rows if r["scorer"] == name and r["compensation"] == kind}
                 if got:
                     lines.append(f"| {name} | {kind} | " + " | ".join(
                         f"{got[t]['delta']:+.2f} [{got[t]['ci_low']:+.2f}, {got[t]['ci_high']:+.2f}]"

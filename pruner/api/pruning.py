@@ -168,7 +168,9 @@ def _compare(call: Call, scorers, sparsities, compensations, budgets, gqa, progr
 
     scorers = list(scorers or SCORERS)
     for name in scorers:
-        get_scorer(name)
+        if get_scorer(name).unit == "layer" or call.recipe.selection.unit == "layer":
+            raise ValueError("compare ranks head scorers (selection.unit: head); the layer scorers run through "
+                             "prune with selection.unit: layer (eval.studies.gemma_layers compares them)")
     check_choices("compensation", compensations, COMPENSATIONS)
     check_choices("budget", budgets or (), ("global", "layer"))
     check_choices("gqa", gqa or (), ("equal", "group"))

@@ -39,6 +39,8 @@ class ForwardBatch:
     rows: torch.Tensor    # (B, T) head-level rows: real tokens that are not sinks
     layers: dict = dataclasses.field(default_factory=dict)  # see layer_keys
     residual: list = dataclasses.field(default_factory=list)  # per block: sum of ||h||^2 over real tokens
+    entering: dict = dataclasses.field(default_factory=dict)  # layer_cosine: block -> the stream entering it
+    cosine: list = dataclasses.field(default_factory=list)  # per block: sum of cos(h, h + attention) over real tokens
     folds: torch.Tensor | None = None  # (B,) each sample's calibration fold (ridge `auto`), else None
 
     def on(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

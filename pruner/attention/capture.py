@@ -40,6 +40,7 @@ from pruner.attention import moments, sums
 from pruner.attention.autosinks import auto_sink_spec
 from pruner.attention.batch import ForwardBatch, valid_keys
 from pruner.attention.config import CaptureConfig
+from pruner.attention.layer_cosine import cosine_hooks
 from pruner.attention.sinks import SinkSpec, sink_mask
 from pruner.core import arch, distributed, resume
 from pruner.core.data import TokenBatch
@@ -93,6 +94,7 @@ class Capture:
         self._saved_impl: str | None = None
         self._received: list[list] = []  # auto sinks: [ids, mask, received sums, row counts] per batch
         self._residual: torch.Tensor | None = None  # (layer,) sums of ||h||^2 over real tokens
+        self._cosine: torch.Tensor | None = None  # (layer,) sums of cos(h, h + attention) over real tokens
         self._tokens = 0
         self._kept: dict[int, tuple] = {}  # across_layers: layer -> (query, key, mask, scale, causal, bf16)
         self._n_layers = 0  # across_layers: self.layers holds one stacked entry of all layers' heads
@@ -107,6 +109,8 @@ class Capture:
         if self.config.outputs:  # the residual stream entering each block, which its heads write into
             self._hooks = [b.register_forward_pre_hook(self._residual_hook, with_kwargs=True)
                            for b in arch.blocks(self.model)]
+        if self.config.layer_cosine:  # ... and leaving its attention sub-block
+            self._hooks += cosine_hooks(self.model, lambda: self._batch)
         self._saved_impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(IMPL)
         _ACTIVE = self
@@ -178,11 +182,15 @@ class Capture:
             sq = torch.stack(batch.residual)
             self._residual = sq if self._residual is None else self._residual + sq
             self._tokens += int(batch.mask2d.bool().sum())
+        if self.config.layer_cosine:
+            cos = torch.stack(batch.cosine)
+            self._cosine = cos if self._cosine is None else self._cosine + cos
 
     def state(self, cursor: int) -> dict:
         """The sums so far and how many of this process's batches they hold (`pruner.core.resume`)."""
         return {"cursor": cursor, "layers": resume.plain(self.layers), "residual": self._residual,
-                "tokens": self._tokens, "received": resume.plain(self._received), "n_layers": self._n_layers}
+                "cosine": self._cosine, "tokens": self._tokens, "received": resume.plain(self._received),
+                "n_layers": self._n_layers}
 
     def _restore(self, state: dict | None) -> int:
         """Put saved sums back (each layer's on the device its attention runs on); returns the cursor."""
@@ -194,7 +202,7 @@ class Capture:
         layers = resume.unplain(state["layers"], {"LayerStats": sums.LayerStats, "OutputMoments": moments.OutputMoments,
                                                   "FoldMoments": moments.FoldMoments})
         self.layers = {i: s.to(next(blocks[i].parameters()).device) for i, s in layers.items()}
-        self._residual, self._tokens = state["residual"], state["tokens"]
+        self._residual, self._tokens, self._cosine = state["residual"], state["tokens"], state.get("cosine")
         self._received, self._n_layers = state["received"], state["n_layers"]
         return state["cursor"]
 
@@ -205,6 +213,8 @@ class Capture:
         h = (args[0] if args else kwargs["hidden_states"]).float()  # (B, T, d_model)
         sq = torch.einsum("btd,btd->bt", h, h)  # per token, float32
         self._batch.residual.append(sq[self._batch.mask2d.to(h.device).bool()].double().sum().cpu())
+        if self.config.layer_cosine:  # what the block's attention turns (`pruner.attention.layer_cosine`)
+            self._batch.entering[len(self._batch.residual) - 1] = h
 
     def _fuses(self, dropout: float, kwargs: dict) -> bool:
         """Whether this attention call runs the fused path (else SDPA output + `_observe`)."""
@@ -341,10 +351,12 @@ class Capture:
             else:
                 layers = {i: distributed.reduce_tree(self.layers[i].to("cpu")) for i in have[0]}
         layers = {i: s.completed().stored(self.config.moments) for i, s in layers.items()}
-        residual, tokens = self._residual, self._tokens
+        residual, tokens, cosine = self._residual, self._tokens, self._cosine
         if self.config.outputs and residual is not None:
-            both = distributed.reduce_tree(torch.cat([residual.double(), torch.tensor([float(tokens)])]))
-            residual, tokens = both[:-1], float(both[-1])
+            sums_ = [residual.double(), *([] if cosine is None else [cosine.double()]), torch.tensor([float(tokens)])]
+            both = distributed.reduce_tree(torch.cat(sums_))
+            residual, tokens = both[:len(residual)], float(both[-1])
+            cosine = None if cosine is None else both[len(residual):-1]
         if self.reduced and not distributed.is_main():
             return None
         if not layers:
@@ -353,7 +365,8 @@ class Capture:
         if self.config.across_layers:  # one stacked "layer" of every head: split it back into layers
             return sums.unstack_layers(stats, self._n_layers)
         if residual is not None:
-            stats = dataclasses.replace(stats, residual=residual / tokens)
+            stats = dataclasses.replace(stats, residual=residual / tokens,
+                                        attn_cosine=None if cosine is None else cosine / tokens)
         return stats
 
 

@@ -28,6 +28,8 @@ class CaptureConfig:
     #                           accumulated in float64 either way; float32 halves what the host keeps
     across_layers: bool = False  # pair matrices between all heads of the model (see module docstring)
     fused: bool = True  # output from the statistics' softmax; False: SDPA output + recomputed scores
+    layer_cosine: bool = False  # also each layer's sum of cos(h, h + attention) over real tokens (the
+    #                             layer-cosine scorer, He et al. 2024); needs outputs=True (its token count)
 
     def __post_init__(self):
         if self.chunk_size < 1:
@@ -38,6 +40,8 @@ class CaptureConfig:
             raise ValueError(f"folds must be 0 or >= 2, with outputs=True and joint=True (got {self.folds})")
         if self.outputs and not self.fused:
             raise ValueError("output moments are computed by the fused attention (fused=True)")
+        if self.layer_cosine and not self.outputs:
+            raise ValueError("layer_cosine counts its tokens with the output moments' (outputs=True)")
         if self.moments not in ("float64", "float32"):
             raise ValueError(f"moments must be float64 or float32, got {self.moments!r}")
         bad = set(self.metrics) - set(pairs.PAIR_METRICS)

@@ -137,6 +137,7 @@ class HeadStats:
     folds: list[FoldMoments] | None = None  # per layer, the output sums per calibration fold (ridge `auto`)
     residual: Tensor | None = None  # (layer,) mean squared norm of the residual stream entering the layer
     model_pairs: dict[str, Tensor] | None = None  # (layer * head, layer * head), layer-major; see unstack_layers
+    attn_cosine: Tensor | None = None  # (layer,) mean cos(h, h + attention) over real tokens (He et al. 2024)
 
     def layer(self, index: int) -> "HeadStats":
         """Layer `index` alone, as a one-layer HeadStats (every per-layer field sliced, not copied)."""
@@ -154,7 +155,7 @@ class HeadStats:
             rest=self.rest[cut], h_content_weighted=self.h_content_weighted[cut], rows=self.rows[cut],
             content_rows=self.content_rows[cut], excluded_rows=self.excluded_rows[cut],
             pairs={k: v[cut] for k, v in self.pairs.items()}, outputs=one(self.outputs), folds=one(self.folds),
-            residual=per(self.residual))
+            residual=per(self.residual), attn_cosine=per(self.attn_cosine))
 
 
 def finalize(layers: list[LayerStats]) -> HeadStats:

@@ -7,17 +7,18 @@ Llama or Mistral:
 - `llama` when every layer keeps the same heads (what `selection.shape: servable` prunes);
 - `deci`, the architecture llama.cpp runs NVIDIA's Nemotron-NAS models with, when layers keep different
   head counts or a layer lost every head: it reads `attention.head_count` / `attention.head_count_kv` as
-  per-layer arrays and sizes each layer's q/k/v/o from them (0 heads would be a layer without attention;
-  pruner's surgery keeps at least one head per layer). Its block is otherwise Llama's, the
-  output-projection bias included.
+  per-layer arrays and sizes each layer's q/k/v/o from them (0 heads: a layer without attention, what
+  selection.unit: layer writes; its attention norm and projections are left out, and a compensation bias
+  with them, so such a layer must carry none; and not layer 0, whose head count llama.cpp reads the head
+  width from). Its block is otherwise Llama's, the output-projection bias
+  included.
 
 Both carry the key/value length and rope dimension explicitly (the head width stays the base's whatever
 the head count). transformers' Llama rotates the two halves of a head (`rotate_half`); llama.cpp's rope for
 these architectures rotates adjacent pairs, so q and k rows are permuted within each head as llama.cpp's
 converter does. Llama 3's scaled rope goes in as the `rope_freqs` tensor of per-frequency divisors.
-The byte-level BPE tokenizer goes in with its special tokens; llama.cpp knows pre-tokenizers by name, so a
-GPT-2-style one is written as `gpt-2` and any other as `default` (token ids are unaffected; text may split
-differently: `tokenizer_note` says so). 1-D tensors (norms, biases, rope factors) are float32, as llama.cpp's
+The tokenizer goes in as `pruner.checkpoints.gguf_vocab` writes it (`tokenizer_note` says where text
+may split differently). 1-D tensors (norms, biases, rope factors) are float32, as llama.cpp's
 converter stores them; matrices in the export dtype.
 
 Gemma 3 goes in as llama.cpp's `gemma3`, and only with the same heads in every layer: that architecture sizes
@@ -29,16 +30,11 @@ halves, as transformers does); the sliding window with the per-layer sliding/glo
 the two rope bases (global `rope.freq_base`, local `rope.freq_base_swa`). llama.cpp scales queries by
 1/sqrt(head_dim) whatever `query_pre_attn_scalar` says, so where the two differ the ratio is folded into the
 q-norm weight (exact: the norm is followed only by the rope, which is linear). It has no output-projection
-bias, so mean compensation's folded bias is refused (refit carries its compensation as plain weights). The
-tokenizer (SentencePiece-style BPE with byte fallback in tokenizer.json) goes in as llama.cpp's `llama`
-tokenizer: tokens, scores (the rank of the merge that makes each token, negated: llama.cpp's SentencePiece
-tokenizer merges the highest-scoring pair first, as transformers applies the lowest-ranked merge), types
-(byte, control, user-defined), no space prefix.
+bias, so mean compensation's folded bias is refused (refit carries its compensation as plain weights).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,13 +42,12 @@ from pathlib import Path
 import torch
 
 from pruner.checkpoints import layout as forms
-from pruner.checkpoints.storage import CheckpointError
+from pruner.checkpoints.gguf_vocab import GgufError, pre_tokenizer, spm_check, spm_vocab, vocab
 from pruner.core import arch
 
 DTYPES = ("float32", "float16", "bfloat16")
 ROPES = ("default", "linear", "llama3")
 INSTALL = 'pip install "pruner[gguf]"  (the gguf package, llama.cpp\'s own writer)'
-_GPT2_STYLE = {"type": "ByteLevel", "use_regex": True}
 _ATTENTION = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output"}
 _MLP = {"mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -81,10 +76,6 @@ GEMMA3 = Family("gemma3", None, {"input_layernorm.weight": "attn_norm.weight", *
                                  "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
                 rope_pairs=False, norm_plus_one=True, tokenizer="llama")
 FAMILIES = {"llama": LLAMA, "mistral": LLAMA, "gemma3_text": GEMMA3}
-
-
-class GgufError(CheckpointError):
-    """A model llama.cpp cannot run in this form, or a GGUF that does not reproduce it; one line, what would work."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +117,21 @@ def family_refusal(kind: str, uniform: bool) -> str | None:
 def refusal(model) -> str | None:
     """Why llama.cpp cannot run this compact model as a GGUF pruner writes, naming what would; None if it can."""
     q, kv = forms.head_counts(model)
+    empty = [i for i, n in enumerate(q) if n == 0]  # selection.unit: layer
+    if empty and model.config.model_type in FAMILIES and not FAMILIES[model.config.model_type].per_layer:
+        return (f"llama.cpp's {FAMILIES[model.config.model_type].uniform} architecture sizes every layer from layer "
+                f"0's head count, so it cannot hold layers without attention ({empty}): export --format compact")
     family = family_refusal(model.config.model_type, len(set(q)) == 1 and len(set(kv)) == 1)
     if family:
         return family
+    if 0 in empty:  # llama.cpp: `n_embd_head_k = n_embd / n_head()` only when n_head() > 0, else head width 0
+        return ("llama.cpp reads the head width of every layer from layer 0's head count, so layer 0 must keep its "
+                "attention for a GGUF (this run removed it): export --format compact")
+    biased = [i for i in empty if arch.o_bias(model, i) is not None and bool(arch.o_bias(model, i).any())]
+    if biased:
+        return (f"llama.cpp's deci runs a layer without heads as attention-free, with no output bias, and layers "
+                f"{biased} carry their mean output there (mean compensation): surgery.compensation zero, or "
+                "export --format compact")
     if model.config.model_type == "gemma3_text":
         return _gemma3_refusal(model)
     rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -181,41 +184,10 @@ def plan(model, tokenizer) -> Plan:
                 pre, family)
 
 
-def pre_tokenizer(tokenizer) -> str:
-    """llama.cpp's name for how the tokenizer splits text before BPE: `gpt-2` for GPT-2's byte-level regex,
-    else `default` (llama.cpp knows pre-tokenizers by the hash of known models' outputs, not by their rules)."""
-    spec = _tokenizer_json(tokenizer)
-    kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
-    if kind != "BPE" or fallback:
-        raise GgufError("cannot write a GGUF: pruner carries byte-level BPE tokenizers into GGUF, and this one is "
-                        f"{kind}{' with byte fallback' if fallback else ''}: export --format compact")
-    pre = spec.get("pre_tokenizer") or {}
-    return "gpt-2" if all(pre.get(k) == v for k, v in _GPT2_STYLE.items()) else "default"
-
-
-def spm_check(tokenizer) -> str:
-    """`default` for a SentencePiece-style tokenizer.json (BPE over `▁`-joined text, byte fallback: Gemma's),
-    which goes in as llama.cpp's `llama` tokenizer; GgufError for any other."""
-    spec = _tokenizer_json(tokenizer)
-    kind, fallback = spec["model"].get("type"), spec["model"].get("byte_fallback")
-    if kind != "BPE" or not fallback:
-        raise GgufError("cannot write a GGUF: pruner carries Gemma's SentencePiece-style BPE tokenizer (byte "
-                        f"fallback) into GGUF, and this one is {kind}{'' if fallback else ' without byte fallback'}: "
-                        "export --format compact")
-    return "default"
-
-
 def tokenizer_note(pre: str, family: Family = LLAMA) -> str | None:
     return None if pre == "gpt-2" or family.tokenizer == "llama" else (
         "llama.cpp does not know this tokenizer's pre-tokenizer, so the file names `default`: token ids given "
         "directly are exact; text may split into other tokens than transformers' in places")
-
-
-def _tokenizer_json(tokenizer) -> dict:
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    if backend is None:
-        raise GgufError("cannot write a GGUF: the tokenizer has no tokenizer.json (a fast tokenizer) to carry")
-    return json.loads(backend.to_str())
 
 
 def write(model, tokenizer, path: Path, dtype: str, gplan: Plan) -> None:
@@ -225,9 +197,9 @@ def write(model, tokenizer, path: Path, dtype: str, gplan: Plan) -> None:
     w = gguf.GGUFWriter(str(path), gplan.arch)
     _metadata(w, model, gplan, dtype)
     if gplan.family.tokenizer == "llama":
-        _spm_vocab(w, tokenizer, model.config.vocab_size)
+        spm_vocab(w, tokenizer, model.config.vocab_size)
     else:
-        _vocab(w, tokenizer, model.config.vocab_size, gplan.pre)
+        vocab(w, tokenizer, model.config.vocab_size, gplan.pre)
     tensors = list(_tensors(model, gplan))
     for name, t in tensors:
         w.add_tensor_info(name, tuple(t.shape), _np_dtype(t, dtype), t.numel() * _itemsize(t, dtype),
@@ -307,85 +279,6 @@ def _gemma3_metadata(w, cfg) -> None:
         w.add_sliding_window_pattern(sliding)
     if getattr(cfg, "final_logit_softcapping", None):
         w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
-
-
-def _vocab(w, tokenizer, vocab_size: int, pre: str) -> None:
-    """Tokens (padded to the model's vocabulary with unused `[PAD<i>]`), types, merges and special tokens."""
-    import gguf
-
-    spec = _tokenizer_json(tokenizer)
-    ids = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
-    added = {t["id"]: t for t in spec.get("added_tokens", [])}
-    if max(ids.values()) >= vocab_size:
-        raise GgufError(f"cannot write a GGUF: the tokenizer has ids up to {max(ids.values())} and the model "
-                        f"{vocab_size} embeddings")
-    by_id = {i: tok for tok, i in ids.items()}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        tokens.append(by_id[i])
-        types.append(gguf.TokenType.NORMAL if i not in added else
-                     gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    _special_tokens(w, tokenizer)
-
-
-def _spm_vocab(w, tokenizer, vocab_size: int) -> None:
-    """A SentencePiece-style BPE tokenizer as llama.cpp's `llama` tokenizer: tokens by id (padded to the model's
-    vocabulary with unused `[PAD<i>]`), scores from the merge ranks, types, special tokens, no space prefix."""
-    import gguf
-
-    spec = _tokenizer_json(tokenizer)
-    vocab = spec["model"]["vocab"]
-    added = {t["id"]: t for t in spec.get("added_tokens", [])}
-    by_id = {i: tok for tok, i in vocab.items()} | {i: t["content"] for i, t in added.items()}
-    if max(by_id) >= vocab_size:
-        raise GgufError(f"cannot write a GGUF: the tokenizer has ids up to {max(by_id)} and the model "
-                        f"{vocab_size} embeddings")
-    rank = {}
-    for r, m in enumerate(spec["model"].get("merges", [])):
-        rank.setdefault("".join(m.split(" ", 1)) if isinstance(m, str) else "".join(m), r)
-    unk = getattr(tokenizer, "unk_token_id", None)
-    tokens, scores, types = [], [], []
-    for i in range(vocab_size):
-        tok = by_id.get(i)
-        tokens.append(f"[PAD{i}]" if tok is None else tok)
-        scores.append(-float(rank[tok]) if tok in rank else 0.0)
-        types.append(gguf.TokenType.UNUSED if tok is None else
-                     gguf.TokenType.UNKNOWN if i == unk else
-                     (gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
-                     if i in added else
-                     gguf.TokenType.BYTE if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") else
-                     gguf.TokenType.NORMAL)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    _special_tokens(w, tokenizer)
-    w.add_add_space_prefix(False)
-
-
-def _special_tokens(w, tokenizer) -> None:
-    """bos/eos/pad/unk ids, whether text starts with bos (ends with eos), the chat template."""
-    for name, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("pad", w.add_pad_token_id),
-                      ("unk", w.add_unk_token_id)):
-        tid = getattr(tokenizer, f"{name}_token_id", None)
-        if tid is not None:
-            add(int(tid))
-    probe = tokenizer("a")["input_ids"]
-    w.add_add_bos_token(bool(probe) and probe[0] == tokenizer.bos_token_id)
-    w.add_add_eos_token(bool(probe) and probe[-1] == tokenizer.eos_token_id and len(probe) > 1)
-    if isinstance(getattr(tokenizer, "chat_template", None), str):
-        w.add_chat_template(tokenizer.chat_template)
 
 
 def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:

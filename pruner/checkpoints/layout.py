@@ -177,6 +177,9 @@ def vanilla_form(model) -> Vanilla | str:
         return (f"the {kind} config derives the head width from hidden_size / heads, so it cannot describe "
                 "fewer heads of the same width")
     q, kv = head_counts(model)
+    if 0 in q:
+        return (f"layers {[i for i, n in enumerate(q) if n == 0]} have no attention (selection.unit: layer), "
+                "which no vanilla config can say")
     if len(set(q)) != 1 or len(set(kv)) != 1:
         return f"its head counts differ between layers ({_counts_text(model)})"
     config = _config_for(model.config, vanilla_updates(model))

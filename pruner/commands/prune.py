@@ -72,12 +72,15 @@ def _print_notes(m: dict) -> None:
         print(f"\n{m['auto']['line']}")
     if m.get("compensation_note"):
         print(f"\n{m['compensation_note']}")
+    if m.get("layer_note"):
+        print(f"\n{m['layer_note']}")
 
 
 def _print_evaluation(m: dict) -> None:
     """What was pruned, and the perplexity, fidelity and task changes it cost."""
     e = m["evaluation"]
-    print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads of {m['model']} "
+    layers = f" (the whole attention of layers {m['removed_layers']})" if m.get("unit") == "layer" else ""
+    print(f"\npruned {m['pruned_heads']}/{m['total_heads']} heads{layers} of {m['model']} "
           f"({m['scorer']}, {m['compensation']} compensation, {m['surgery']})")
     print(f"perplexity {e['base']:.2f} -> {e['pruned']:.2f}  (change {e['delta']:+.2f}, "
           f"95% CI [{e['ci_low']:+.2f}, {e['ci_high']:+.2f}], {e['windows']} windows)")

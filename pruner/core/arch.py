@@ -20,7 +20,7 @@ whose output projection has none.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import reduce
 
 import torch
@@ -40,25 +40,30 @@ class Adapter:
     bias_flag: str | None = None
     n_heads_attrs: tuple[str, ...] = ()  # module attributes holding the head count, kept in sync
     explicit_head_dim: bool = False
+    post_attention: str | None = None  # the module whose input is the residual stream after the attention
+    #                                    sub-block (h + attention's contribution): the layer-cosine scorer reads it
+    attention_free: bool = False  # a layer may lose every head: surgery swaps in an attention-free module
 
 
 _LLAMA = Adapter(layers="layers", attn="self_attn", o_proj="self_attn.o_proj", q="self_attn.q_proj",
                  k="self_attn.k_proj", v="self_attn.v_proj", bias_flag="attention_bias",
-                 explicit_head_dim=True)
+                 explicit_head_dim=True, post_attention="post_attention_layernorm", attention_free=True)
+# Gemma 3 normalises the attention output before adding it: the stream after attention enters the pre-MLP norm
+_GEMMA3 = replace(_LLAMA, post_attention="pre_feedforward_layernorm")
 _BERT = Adapter(layers="encoder.layer", attn="attention.self", o_proj="attention.output.dense",
                 q="attention.self.query", k="attention.self.key", v="attention.self.value",
                 n_heads_attrs=("attention.self.num_attention_heads",))
 
 ADAPTERS: dict[str, Adapter] = {
     "gpt2": Adapter(layers="h", attn="attn", o_proj="attn.c_proj", qkv="attn.c_attn", qkv_layout="split",
-                    conv1d=True, n_heads_attrs=("attn.num_heads",)),
+                    conv1d=True, n_heads_attrs=("attn.num_heads",), post_attention="ln_2"),
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     # Gemma 3's text model: Llama's names, q/k RMSNorms over d_head (shared by every head, untouched by surgery),
     # a norm after the attention output, sliding-window layers; `attention_bias` switches on all four biases
-    "gemma3_text": _LLAMA,
+    "gemma3_text": _GEMMA3,
     "gpt_neox": Adapter(layers="layers", attn="attention", o_proj="attention.dense",
                         qkv="attention.query_key_value", qkv_layout="per_head"),
     "bert": _BERT,

@@ -100,6 +100,29 @@ def single_head_ablations(model, batch: TokenBatch, compensate: Callable[[surger
     process count gives the same numbers.
     """
     g = arch.geometry(model)
+    heads = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads) if only is None or only[layer, h]]
+    out = torch.full((g.n_layers, g.n_heads), float("nan"), dtype=torch.float64)
+    found = _measured(model, batch, [{layer: [h]} for layer, h in heads], compensate, labels, batch_size,
+                      "ablation" if progress else None)
+    for (layer, h), x in zip(heads, found.increase.tolist()):
+        out[layer, h] = x
+    return Ablations(out, found.base_loss, found.windows, found.passes, found.seconds)
+
+
+def layer_ablations(model, batch: TokenBatch, compensate: Callable[[surgery.HeadSet], surgery.Compensation],
+                    labels: torch.Tensor | None = None, batch_size: int = 8, progress: bool = False) -> Ablations:
+    """Mean calibration NLL with each layer's whole attention removed alone (every head of it, with the run's
+    compensation), minus the unpruned model's: (layer,), L + 1 passes. The layer-ablation scorer's reading."""
+    g = arch.geometry(model)
+    sets = [{layer: list(range(g.n_heads))} for layer in range(g.n_layers)]
+    return _measured(model, batch, sets, compensate, labels, batch_size, "layer ablation" if progress else None)
+
+
+def _measured(model, batch: TokenBatch, sets: list[surgery.HeadSet],
+              compensate: Callable[[surgery.HeadSet], surgery.Compensation], labels: torch.Tensor | None,
+              batch_size: int, desc: str | None) -> Ablations:
+    """The loss increase of each head set removed alone under the scoped mask: (len(sets),), float64; each
+    process scores every world-th sample, the sums added in rank order."""
     mine = distributed.shard_indices(len(batch))
     part = TokenBatch(batch.input_ids[mine], batch.attention_mask[mine])
     lab = None if labels is None else labels[mine]
@@ -111,10 +134,8 @@ def single_head_ablations(model, batch: TokenBatch, compensate: Callable[[surger
         return s / max(c, 1.0)
 
     base = loss()
-    out = torch.full((g.n_layers, g.n_heads), float("nan"), dtype=torch.float64)
-    heads = [(layer, h) for layer in range(g.n_layers) for h in range(g.n_heads) if only is None or only[layer, h]]
-    for layer, h in tqdm(heads, desc="ablation", unit="head") if progress else heads:
-        one = {layer: [h]}
+    out = torch.zeros(len(sets), dtype=torch.float64)
+    for i, one in enumerate(tqdm(sets, desc=desc, unit="set") if desc else sets):
         with surgery.masked(model, one, compensate(one)):
-            out[layer, h] = loss() - base
-    return Ablations(out, base, len(batch), len(heads) + 1, time.perf_counter() - t0)
+            out[i] = loss() - base
+    return Ablations(out, base, len(batch), len(sets) + 1, time.perf_counter() - t0)

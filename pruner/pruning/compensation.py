@@ -52,12 +52,14 @@ def compensate(model, heads: HeadSet, outputs: list[OutputMoments], kind: str, r
         return Compensation("mean", bias=compensation_bias(model, heads, outputs))
     if kind != "refit":
         raise ValueError(f"unknown compensation {kind!r}; valid: {', '.join(COMPENSATIONS)}")
-    if ridge == "auto" and not folds:
+    whole = whole_layers(model, heads)  # nothing left to refit from: mean where a bias is carried, else zero
+    if ridge == "auto" and not folds and any(hs and k not in whole for k, hs in heads.items()):
         raise ValueError("surgery.ridge auto cross-validates over calibration folds: capture them "
                          "(CaptureConfig(folds=K)), or give a number")
-    bias, weight, fits = {}, {}, {}
+    bias = compensation_bias(model, {k: v for k, v in whole.items() if can_carry_bias(model, k)}, outputs)
+    weight, fits = {}, {}
     for layer, hs in heads.items():
-        if hs:
+        if hs and layer not in whole:
             choice = None if ridge != "auto" else choose_layer_ridge(model, layer, hs, folds[layer])
             fit = refit_layer(model, layer, hs, outputs[layer], ridge if choice is None else choice.ridge)
             weight[layer], fits[layer] = fit.delta_w, diagnostics(fit, choice)
@@ -66,6 +68,32 @@ def compensate(model, heads: HeadSet, outputs: list[OutputMoments], kind: str, r
     dtype = arch.o_weight_cols(model, 0).dtype
     return Compensation("refit", {k: v.to(dtype) for k, v in bias.items()},
                         {k: v.to(dtype) for k, v in weight.items()}, fits)
+
+
+def whole_layers(model, heads: HeadSet) -> HeadSet:
+    """The layers `heads` empties (every head of the layer: selection.unit layer)."""
+    n = arch.geometry(model).n_heads
+    return {layer: hs for layer, hs in heads.items() if len(set(hs)) == n}
+
+
+def can_carry_bias(model, layer: int) -> bool:
+    """Whether the layer's output projection has a bias, or its config a switch that gives it one."""
+    flag = arch.adapter_for(model).bias_flag
+    return has_bias(model, layer) or (flag is not None and hasattr(model.config, flag))
+
+
+def whole_layer_note(model, heads: HeadSet, kind: str) -> str | None:
+    """One line when refit meets a layer with no head left: there is nothing to refit from, so such a layer gets
+    its mean output in the bias (refit with an intercept and no kept head is exactly that), or nothing where no
+    bias can be carried. None when no layer is emptied or the compensation is not refit."""
+    whole = whole_layers(model, heads)
+    if kind != "refit" or not whole:
+        return None
+    mean = [k for k in whole if can_carry_bias(model, k)]
+    zero = [k for k in whole if k not in mean]
+    return ("compensation: refit has no kept head to refit from in a removed layer: "
+            + "; ".join(x for x in (f"mean (its mean output in the bias) for layers {mean}" if mean else "",
+                                    f"zero for layers {zero} (no bias to carry it)" if zero else "") if x))
 
 
 def refit_layer(model, layer: int, heads: list[int], moments: OutputMoments, ridge: float,

@@ -112,6 +112,8 @@ class Plan:
     sink_mass: torch.Tensor | None = field(default=None, compare=False, repr=False)  # (layer, head)
     calibration: ScoringInputs | None = field(default=None, compare=False, repr=False)
     note: str | None = field(default=None, compare=False, repr=False)  # the servable shape moved the target
+    unit: str = "head"  # "layer": whole attention layers were chosen (`select_layers`); entries are their heads
+    layers: tuple[int, ...] = ()  # unit "layer": the chosen layers, in selection order
 
     @property
     def heads(self) -> dict[int, list[int]]:
@@ -133,16 +135,18 @@ class Plan:
             return x if not isinstance(x, float) else float(f"{x:.10g}")
 
         entries = [{k: sig(v) for k, v in asdict(e).items()} for e in self.entries]
+        layer = {"unit": "layer", "layers": list(self.layers)} if self.unit == "layer" else {}  # head plans: as ever
         return json.dumps({"scorer": self.scorer, "convention": self.convention, "target": self.target,
                            "pruned": len(self.entries), "heads": {str(k): v for k, v in self.heads.items()},
-                           "entries": entries}, indent=1, sort_keys=True)
+                           "entries": entries, **layer}, indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         """A plan read back from plan.json (no calibration: `zero` compensation only)."""
         try:
             entries = [PlanEntry(**e) for e in d["entries"]]
-            return cls(d["scorer"], d["convention"], d["target"], entries)
+            return cls(d["scorer"], d["convention"], d["target"], entries, unit=d.get("unit", "head"),
+                       layers=tuple(d.get("layers", ())))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a pruner plan (plan.json): {e}") from None
 
@@ -154,6 +158,9 @@ class Plan:
         if self.sensitivity is not None:
             whose = "" if self.convention else " (of the cosine plan)"
             sens = f"; {self.sensitivity.changed} heads change under the other convention{whose}"
+        if self.unit == "layer":
+            of = f"/{self.geometry.n_layers}" if self.geometry else ""
+            return f"Plan({self.scorer}: {len(self.layers)}{of} attention layers {list(self.layers)})"
         return f"Plan({self.scorer}{conv}: {len(self.entries)}{total} heads; per layer {{{per_layer}}}{sens})"
 
 
@@ -230,6 +237,36 @@ def select(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: Selection
     if not entries:
         raise SelectionError("no head could be selected under the constraints")
     return Plan(scorer.name, key.convention if scorer.adaptive else None, target, entries)
+
+
+def check_layer_target(geom: Geometry, cfg: SelectionConfig) -> int:
+    """The number of attention layers to remove (unit: layer): `cfg.target` of the layers, or a count; at least
+    one, and at least one layer keeps its attention. A SelectionError otherwise, before any calibration."""
+    k = cfg.count(geom.n_layers)
+    if k <= 0:
+        raise SelectionError(f"selection.target {cfg.target:g} selects 0 of {geom.n_layers} attention layers; use "
+                             f"at least {1 / geom.n_layers:.3g} (one layer) or a layer count")
+    if k >= geom.n_layers:
+        raise SelectionError(f"selection.target asks for {k} of {geom.n_layers} attention layers: at most "
+                             f"{geom.n_layers - 1} (one layer keeps its attention)")
+    return k
+
+
+def select_layers(scorer: Scorer, inputs: ScoringInputs, geom: Geometry, cfg: SelectionConfig) -> Plan:
+    """The k attention layers of lowest importance (ties by layer), as a plan of every head of each.
+
+    Whole layers are not re-scored as they go: each layer scorer reads the layer alone (its energy, its
+    stream's cosine, its measured ablation), so one ranking is the greedy order. The plan's entries are the
+    chosen layers' heads, so masking, removal, compensation and export run the head code path."""
+    k = check_layer_target(geom, cfg)
+    importance = scorer(inputs, torch.ones(geom.n_layers, geom.n_heads, dtype=torch.bool)).double()  # (layer,)
+    if importance.shape != (geom.n_layers,):
+        raise SelectionError(f"the {scorer.name} scorer ranks heads, not layers (selection.unit: layer)")
+    order = sorted(range(geom.n_layers), key=lambda layer: (float(importance[layer]), layer))[:k]
+    sink = inputs.stats.sink_mass
+    entries = [PlanEntry(layer, head, step, float(importance[layer]), None, None, float(sink[layer, head]))
+               for step, layer in enumerate(order) for head in range(geom.n_heads)]
+    return Plan(scorer.name, None, k, entries, unit="layer", layers=tuple(order))
 
 
 @dataclass(frozen=True)

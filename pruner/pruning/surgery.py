@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pruner.core import arch
+from pruner.pruning.attention_free import AttentionFree
 
 HeadSet = dict[int, list[int]]
 COMPENSATIONS = ("zero", "mean", "refit")
@@ -241,8 +242,10 @@ def remove_heads(model, heads: HeadSet, compensation: Compensation | dict | None
         if gone:
             raise SurgeryError(f"layer {layer}: heads {gone} are already removed")
         left = [h for h in present if h not in hs]
-        if not left:
-            raise SurgeryError(f"layer {layer}: removing heads {sorted(hs)} would leave no head")
+        if not left and not ad.attention_free:
+            raise SurgeryError(f"layer {layer}: removing heads {sorted(hs)} would leave no head, and a "
+                               f"{model.config.model_type} layer without attention is not supported (llama-like "
+                               "decoders and Gemma 3 are)")
         _apply(model, layer, comp)
         block = arch.blocks(model)[layer]
         keep_q = _slots([present.index(h) for h in left], hd)
@@ -256,7 +259,9 @@ def remove_heads(model, heads: HeadSet, compensation: Compensation | dict | None
             _slice(arch.get(block, ad.k), keep_kv, 0)
             _slice(arch.get(block, ad.v), keep_kv, 0)
             attn = arch.get(block, ad.attn)
-            if hasattr(attn, "num_key_value_groups"):
+            if not left:  # the layer's attention is gone: no kernel, no KV cache (`attention_free`)
+                arch.set_attr(block, ad.attn, AttentionFree(attn))
+            elif hasattr(attn, "num_key_value_groups"):
                 attn.num_key_value_groups = len(left) // len(kv_left)
         elif ad.qkv_layout == "split":  # [q | k | v], each (heads * d_head)
             width = len(present) * hd
@@ -268,7 +273,7 @@ def remove_heads(model, heads: HeadSet, compensation: Compensation | dict | None
             _slice(arch.get(block, ad.qkv), idx, 0)
         for path in ad.n_heads_attrs:
             arch.set_attr(block, path, len(left))
-        if hasattr(arch.get(block, ad.attn), "all_head_size"):
+        if left and hasattr(arch.get(block, ad.attn), "all_head_size"):
             arch.get(block, ad.attn).all_head_size = len(left) * hd
         kept_heads(model)[layer] = left
     _sync_config(model)

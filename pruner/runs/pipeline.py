@@ -23,6 +23,7 @@ from pruner.evaluation.perplexity import BlockwisePass, fidelity, latency_ms, pa
 from pruner.pruning import refit, surgery
 from pruner.pruning.ablation import AblationRequest
 from pruner.pruning.calibrate import CalibrationOptions, calibrate
+from pruner.pruning.compensation import whole_layer_note
 from pruner.pruning.layerwise import LayerwiseScoring, calibrate_layerwise
 from pruner.pruning.per_layer import CurveRequest
 from pruner.pruning.scoring import Scorer, ScoringInputs, get_scorer
@@ -36,7 +37,7 @@ from pruner.pruning.selection import (
     select,
     shape_note,
 )
-from pruner.runs import calibration_needs, compensating, recovery_stage, resources
+from pruner.runs import calibration_needs, compensating, layer_plan, recovery_stage, resources
 from pruner.runs.context import Session, check_layerwise, resident
 from pruner.runs.recipe import Recipe
 
@@ -139,6 +140,8 @@ def make_plan(session: Session, inputs: ScoringInputs | None = None, progress: b
     calibration keeps). Layer by layer, a per-layer budget's refit is computed as each layer finishes.
     """
     recipe = session.recipe
+    if recipe.selection.unit == "layer":  # whole attention layers: the same stages, a plan of their heads
+        return layer_plan.make(session, inputs, progress)
     scorer = get_scorer(recipe.scorer.name)
     geom = arch.geometry(session.model)
     cfg = selection_config(recipe, session.model)
@@ -256,6 +259,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
         resident(session)
     model = session.model
     comp = compensating.shared_compensation(session, plan.heads, recipe.surgery, plan.calibration)
+    note = whole_layer_note(model, plan.heads, recipe.surgery.compensation)  # refit in a layer with no head left
     fit = compensating.refit_record(comp, recipe.surgery, plan.calibration)
     cost = None if plan.calibration is None else plan.calibration.costs.get(plan.scorer)  # a measured scorer's
     if layerwise:  # what the sums were kept for is done: the evaluations and model/ read none of them
@@ -269,7 +273,7 @@ def run(session: Session, progress: bool = True, inputs: ScoringInputs | None = 
     gains = None if layerwise else measure_gains(session, plan.heads, comp, progress)  # the model is still the base
     params_after = _prune(session, plan.heads, comp, layerwise)
     metrics = {
-        **_plan_record(session, plan, why),
+        **_plan_record(session, plan, why, note),
         "evaluation": m, "params_before": params_before, "params_after": params_after,
         "latency_ms_before": latency_before,
         "latency_ms_after": latency_ms(model, session.evaluation) if timed else None,
@@ -293,8 +297,8 @@ def _preflight(session: Session) -> None:
     if session.checkpoints.active:  # the pruned model is saved next to the checkpoints: room for it first
         resources.check_disk(session.checkpoints.folder, resources.checkpoint_bytes(session.model),
                              "the pruned checkpoint (model/)")
-    if session.recipe.surgery.compensation == "refit":
-        check_refit_tokens(session)
+    if session.recipe.surgery.compensation == "refit" and session.recipe.selection.unit == "head":
+        check_refit_tokens(session)  # a layer plan's emptied layers take mean, not refit
 
 
 def _prune(session: Session, heads: dict[int, list[int]], comp, layerwise: bool) -> int:
@@ -307,15 +311,18 @@ def _prune(session: Session, heads: dict[int, list[int]], comp, layerwise: bool)
     return sum(p.numel() for p in session.model.parameters())
 
 
-def _plan_record(session: Session, plan: Plan, why: str | None) -> dict:
-    """The metrics' first keys: what was pruned, with which scorer, compensation and surgery (in this order)."""
+def _plan_record(session: Session, plan: Plan, why: str | None, note: str | None) -> dict:
+    """The metrics' first keys: what was pruned, with which scorer, compensation and surgery (in this order); a
+    layer plan names its layers, so a reader sees whole attention layers went, not heads spread over the model."""
     recipe, geom = session.recipe, plan.geometry
     return {
         "model": recipe.model.path, "scorer": plan.scorer,
         "convention": plan.convention or get_scorer(plan.scorer).reads,
         "sparsity": recipe.selection.target, "pruned_heads": len(plan.entries),
+        **({"unit": "layer", "removed_layers": list(plan.layers)} if plan.unit == "layer" else {}),
         "total_heads": geom.n_layers * geom.n_heads, "compensation": recipe.surgery.compensation,
         **({"compensation_note": why} if why else {}),
+        **({"layer_note": note} if note else {}),
         "surgery": recipe.surgery.mode, "sinks": asdict(session.sinks),
     }
 

@@ -258,7 +258,8 @@ def check_fits(run_folder: Path, plan: dict, compensation, model) -> dict[int, l
             raise ProvenanceError(f"{where}: layer {layer} head {bad[0]} is out of range")
         if len(set(hs)) != len(hs):
             raise ProvenanceError(f"{where}: layer {layer} lists a head twice ({sorted(hs)})")
-        if len(hs) >= g.n_heads:
+        whole = plan.get("unit") == "layer" and layer in plan.get("layers", ())  # selection.unit: layer
+        if len(hs) >= g.n_heads and not (whole and arch.adapter_for(model).attention_free):
             raise ProvenanceError(f"{where}: it prunes all {g.n_heads} heads of layer {layer}, emptying it")
     comp = surgery.as_compensation(compensation)
     if not comp.bias and not comp.weight:

@@ -11,20 +11,17 @@ import difflib
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_serializer, model_validator
 
 from pruner.core import mixture
-from pruner.pruning.scoring import SCORERS
+from pruner.pruning.scoring import ALL_SCORERS, LAYER_SCORERS, SCORERS
 from pruner.pruning.surgery import DEFAULT_COMPENSATION
 from pruner.recovery.spec import RecoverySpec
+from pruner.runs.recipe_sections import BenchSpec, CaptureSpec, CheckpointSpec, ExportSpec, _Strict
 
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message names the key path."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, frozen=True)
 
 
 class ModelSpec(_Strict):
@@ -138,21 +135,28 @@ class ScorerSpec(_Strict):
         return [self.name] if self.name != "auto" else list(self.candidates or AUTO_SCORERS)
 
 
+def layer_scorers() -> list[str]:
+    """The registered scorers that rank whole attention layers (selection.unit: layer)."""
+    return list(LAYER_SCORERS)
+
+
 # every proxy scorer: what auto chooses among unless scorer.candidates says otherwise (random is a yardstick;
 # the measured ones cost passes per head: named in scorer.candidates, they are candidates too)
 AUTO_SCORERS = tuple(n for n, s in SCORERS.items() if n != "random" and not s.needs_ablation)
 
 
 def _scorer_name(v: str) -> str:
-    if v not in SCORERS:
-        near = difflib.get_close_matches(v, [*SCORERS, "auto"], n=1)
+    if v not in ALL_SCORERS:
+        near = difflib.get_close_matches(v, [*ALL_SCORERS, "auto"], n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}, auto")
+        raise ValueError(f"unknown scorer {v!r}{hint}; valid: {', '.join(SCORERS)}, auto; layer scorers "
+                         f"(selection.unit: layer): {', '.join(LAYER_SCORERS)}")
     return v
 
 
 class SelectionSpec(_Strict):
-    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1)")
+    target: float = Field(0.25, gt=0, description="fraction of heads (0, 1) or a whole head count (>= 1); with "
+                                                   "unit: layer, of the layers")
     budget: Literal["global", "layer"] | None = Field(
         None, description="global: heads from anywhere; layer: the same count from every layer; unset: layer where "
                           "selection.shape: servable applies, global elsewhere")
@@ -168,6 +172,11 @@ class SelectionSpec(_Strict):
                                 "one through export --format gguf, and there the global budget is usually the lower perplexity: "
                                 "docs/export.md#which-plan-to-pick)")
     seed: int = 0
+    unit: Literal["head", "layer"] = Field(  # last, so every key before it lists as before ('valid here: ...')
+        "head", description="head: prune attention heads; layer: remove whole attention layers (every head of the "
+                            "layer, its KV cache with them; a layer scorer, docs/scorers.md#whole-attention-layers). "
+                            "With layer, target is a fraction or a count of the layers, and the per-head "
+                            "constraints (budget, min_heads_per_layer, gqa, shape) do not apply: they are ignored")
 
     @field_validator("target", mode="before")
     @classmethod
@@ -184,6 +193,14 @@ class SelectionSpec(_Strict):
     def _whole_count(self, v: float) -> int | float:
         """Counts are saved as whole numbers, so a saved recipe reloads (8.0 would be refused)."""
         return int(v) if v >= 1 else v
+
+    @model_serializer(mode="wrap")
+    def _head_unit_unsaid(self, handler):
+        """`unit: head` (the default) is left out of a saved recipe, so every head recipe saves as before."""
+        out = handler(self)
+        if self.unit == "head":
+            out.pop("unit", None)
+        return out
 
 
 class SurgerySpec(_Strict):
@@ -254,100 +271,6 @@ class EvaluationSpec(DataSpec):
         return self
 
 
-class ExportSpec(_Strict):
-    """`pruner prune` also exports (into RUN_DIR/export-FORMAT) and pushes, as `pruner export` would."""
-
-    format: Literal["none", "dense", "compact", "onnx", "gguf"] = "none"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="storage dtype of saved checkpoints (model/ and exports); auto: the base checkpoint's own")
-    push_to_hub: str | None = Field(None, description="Hub repo id NAMESPACE/NAME to upload the export to")
-    private: bool = False
-
-    @field_validator("push_to_hub")
-    @classmethod
-    def _repo_id(cls, v: str | None) -> str | None:
-        if v is not None:
-            from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-            try:
-                validate_repo_id(v)
-            except HFValidationError as e:
-                raise ValueError(f"invalid Hub repo id {v!r}: {e}") from None
-        return v
-
-    @model_validator(mode="after")
-    def _push_needs_export(self):
-        if self.push_to_hub and self.format == "none":
-            raise ValueError("push_to_hub needs an export: set export.format to dense, compact or onnx")
-        if self.private and not self.push_to_hub:
-            raise ValueError("private applies only with export.push_to_hub")
-        return self
-
-
-class CaptureSpec(_Strict):
-    """Calibration capture. The scorers read the cosine matrices (always captured); each further
-    pair metric costs a pass per pair of heads (O(heads^2 T^2) logarithms for JS), so none by default."""
-
-    chunk_size: int = Field(128, ge=1)
-    metrics: list[Literal["cosine", "js", "hellinger", "tv", "aitchison"]] = ["cosine"]
-    memory_check: bool = Field(True, description="refuse, before calibration, a peak-memory estimate larger than "
-                                                 "the free memory")
-    moments: Literal["float64", "float32"] = Field(
-        "float64", description="storage of each layer's finished joint second moment of the head outputs (most "
-                               "of the calibration's host memory: L x (heads x d_head)^2): accumulated in float64 "
-                               "either way; float32 halves it (plans and refits checked unchanged, docs/scaling.md)")
-    onload: Literal["auto", "all", "sequential"] = Field(
-        "auto", description="all: the whole model resident during calibration; sequential: one block at a time, "
-                            "read from the checkpoint's safetensors (models larger than memory); auto: sequential "
-                            "when the model does not fit the device's free memory")
-    hidden: Literal["auto", "memory", "disk"] = Field(
-        "auto", description="layer by layer: where every window's hidden states stay between blocks (the part of "
-                            "its memory that grows with the calibration set); disk: memory-mapped files under "
-                            "spill_dir, removed after each pass (the same numbers); auto: disk only where the memory "
-                            "check finds that memory cannot hold them and files make it fit")
-    read_ahead: bool = Field(True, description="layer by layer: read the next block from disk (or copy it to the GPU) "
-                                               "on a background thread while one runs; one more block in memory")
-    spill_dir: str | None = Field(None, description="the folder for capture.hidden's files (default: the system's "
-                                                    "temporary folder)")
-
-    @model_validator(mode="after")
-    def _hidden_is_layer_by_layer(self):
-        if self.hidden == "disk" and self.onload == "all":
-            raise ValueError("capture.hidden: disk keeps a layer-by-layer pass's hidden states; with capture.onload: "
-                             "all there are none between blocks (set onload: sequential or auto)")
-        return self
-
-
-class CheckpointSpec(_Strict):
-    """How often a run saves its calibration sums and finished evaluations for `--resume`
-    (into its partial folder; removed when the run completes). Either trigger saves."""
-
-    every_seconds: float | None = Field(600, ge=0, description="seconds between saves; null: never by time")
-    every_batches: int | None = Field(None, ge=1, description="batches (or examples) between saves")
-
-
-class BenchSpec(_Strict):
-    """What `prune` measures of the pruned compact model against the base (parameters, checkpoint bytes,
-    KV cache, peak memory, prefill latency, decode throughput; see pruner.evaluation.bench). Small by default so a
-    run stays quick; `pruner bench RUN_DIR` measures at full length."""
-
-    enabled: bool = True
-    lengths: list[int] = Field([128, 512], description="prefill latency at batch 1, tokens (capped at the "
-                                                        "position table)")
-    decode: list[tuple[int, int]] = Field([(1, 16), (8, 256)], description="greedy decode cases "
-                                                                          "[batch, prompt tokens]")
-    new_tokens: int = Field(32, ge=2, description="tokens each decode case generates")
-    repeats: int = Field(3, ge=1, description="interleaved rounds (figures are medians)")
-
-    @model_validator(mode="after")
-    def _positive(self):
-        if any(t < 1 for t in self.lengths) or any(b < 1 or p < 1 for b, p in self.decode):
-            raise ValueError("lengths, batch sizes and prompt lengths must be >= 1")
-        if self.enabled and not self.lengths and not self.decode:
-            raise ValueError("nothing to measure: give lengths or decode cases (or enabled: false)")
-        return self
-
-
 class Recipe(_Strict):
     model: ModelSpec
     calibration: CalibrationSpec = CalibrationSpec()
@@ -377,6 +300,21 @@ class Recipe(_Strict):
             if pairs < 2:
                 raise ValueError(f"auto has a single candidate left ({self.scorer.choices()[0]} + "
                                  f"{self.surgery.choices()[0]}): name it instead, or give auto more candidates")
+        return self
+
+    @model_validator(mode="after")
+    def _unit_matches_scorer(self):
+        """A head scorer cannot rank layers, nor a layer scorer heads: refused before any compute."""
+        unit = self.selection.unit
+        if self.scorer.name == "auto" and unit == "layer":
+            raise ValueError("scorer.name: auto chooses among head scorers; selection.unit: layer takes a layer "
+                             f"scorer: {', '.join(layer_scorers())}")
+        wrong = [n for n in self.scorer.choices() if ALL_SCORERS[n].unit != unit]
+        if wrong:
+            unset = "" if "name" in self.scorer.model_fields_set else " (unset: the default)"
+            valid = layer_scorers() if unit == "layer" else list(SCORERS)
+            raise ValueError(f"scorer.name: {wrong[0]!r}{unset} scores {ALL_SCORERS[wrong[0]].unit}s and "
+                             f"selection.unit is {unit}: use one of {', '.join(valid)}")
         return self
 
     def auto(self) -> bool:

@@ -17,11 +17,14 @@ config.json:
     o_proj_bias_per_layer           (optional) layers whose output projection has a bias
 
 `num_attention_heads`, `num_key_value_heads` and `head_dim` keep the base model's
-values: pruning removes heads, never narrows them. Imports only transformers and
-torch.
+values: pruning removes heads, never narrows them. A layer with 0 heads (its whole
+attention removed) runs `AttentionFree`: no attention kernel, no KV cache, its output
+the projection's bias or zeros. Imports only transformers and torch.
 """
 
+import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -51,7 +54,7 @@ def check_head_counts(config) -> None:
         raise ValueError(f"config.json: num_attention_heads_per_layer ({len(q)}) and num_key_value_heads_per_layer "
                          f"({len(kv)}) need one entry per layer ({n})")
     for layer, (h, g) in enumerate(zip(q, kv)):
-        if not (1 <= g <= h and h % g == 0):
+        if (h, g) != (0, 0) and not (1 <= g <= h and h % g == 0):  # (0, 0): a layer without attention
             raise ValueError(f"config.json: layer {layer} has {h} query heads over {g} key/value heads; "
                              "each key/value head needs the same whole number of query heads")
 
@@ -68,7 +71,59 @@ def resize_attention(model, config) -> None:
         attn.k_proj = nn.Linear(d, kv_width, bias=qkv_bias)
         attn.v_proj = nn.Linear(d, kv_width, bias=qkv_bias)
         attn.o_proj = nn.Linear(width, d, bias=attn.o_proj.bias is not None or bool(o_bias[layer]))
-        attn.num_key_value_groups = q // kv  # what the attention forward reads to repeat k/v
+        attn.num_key_value_groups = q // kv if kv else 1  # what the attention forward reads to repeat k/v
+        if q == 0:
+            block.self_attn = AttentionFree(attn)
+
+
+class TokenCount(DynamicLayer):
+    """The full-attention cache entry of a layer with no heads: 0-head keys and values, its tokens counted --
+    transformers reads the sequence length (positions, mask sizes) from layer 0's entry, which an empty tensor
+    would report as 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.tokens = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.tokens += key_states.shape[-2]
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def crop(self, max_length: int) -> None:
+        self.tokens = max_length if max_length >= 0 else max(self.tokens + max_length, 0)
+        super().crop(max_length)
+
+    def reset(self) -> None:
+        self.tokens = 0
+        super().reset()
+
+
+class AttentionFree(nn.Module):
+    """A layer's attention with no head left: never calls the kernel (a 0-head view has no shape to infer);
+    adds the output projection's bias, or zeros; keeps the cache's token count."""
+
+    def __init__(self, attn):
+        super().__init__()
+        for name, child in attn.named_children():  # the empty projections and q/k norms keep their names
+            self.add_module(name, child)
+        self.layer_idx, self.head_dim, self.config = attn.layer_idx, attn.head_dim, attn.config
+
+    def forward(self, hidden_states, *args, cache=None, past_key_values=None, **kwargs):
+        B, T = hidden_states.shape[:2]
+        cache = cache if cache is not None else past_key_values
+        if cache is not None:
+            layers = cache.layers
+            if len(layers) <= self.layer_idx and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+                layers.extend(DynamicLayer() for _ in range(self.layer_idx + 1 - len(layers)))
+            entry = layers[self.layer_idx] if len(layers) > self.layer_idx else None
+            if type(entry) is DynamicLayer and not entry.is_initialized:
+                layers[self.layer_idx] = TokenCount()
+            empty = hidden_states.new_zeros(B, 0, T, self.head_dim)  # (B, 0 kv heads, T, d_head)
+            cache.update(empty, empty, self.layer_idx)
+        return self.o_proj(torch.zeros_like(hidden_states[..., :0])), None  # (B, T, d_model)
 
 
 class PerLayerHeads:
