@@ -24,7 +24,7 @@ from pruner.core.data import pad
 from pruner.core.runtime import forward
 from pruner.pruning import surgery
 from pruner.pruning.ablation import layer_ablations, token_nll
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 from pruner.pruning.compensation import compensate, whole_layer_note
 from pruner.pruning.scoring import LAYER_SCORERS, SCORERS, Scorer, get_scorer
 from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_layer_target, select_layers
@@ -93,7 +93,7 @@ def test_layer_scorers_have_their_own_registry():
 
 def calibrated(model, batch):
     cfg = CaptureConfig(metrics=("cosine",), outputs=True, joint=True, layer_cosine=True)
-    return calibrate(model, batch, SinkSpec("first"), config=cfg, batch_size=2)
+    return calibrate(model, batch, SinkSpec("first"), config=cfg, options=CalibrationOptions(batch_size=2))
 
 
 def by_hand_cosine(model, family: str, batch) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_the_spec_refuses_an_unknown_method_and_a_budget_below_one_batch():
     from pruner.runs.recipe import RecipeError
     from pruner.runs.recipe_io import validate_section
 
-    with pytest.raises(RecipeError, match="unknown recovery method 'qlora'; valid: full, lora, attention"):
+    with pytest.raises(RecipeError, match="unknown recovery method 'qlora'; valid: full, blocks, lora, attention"):
         validate_section("recovery", {"method": "qlora"})
     with pytest.raises(RecoveryError, match="below one batch"):
         counts(RecoverySpec(tokens=100, batch_size=8, length=128))

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pruner.attention.capture import CaptureConfig
 from pruner.core import arch
 from pruner.pruning.ablation import layer_ablations, subset
-from pruner.pruning.calibrate import calibrate
+from pruner.pruning.calibrate import CalibrationOptions, calibrate
 from pruner.pruning.compensation import compensate
 from pruner.pruning.scoring import Scorer, ScoringInputs, get_scorer
 from pruner.pruning.selection import Plan, SelectionConfig, SelectionError, check_layer_target, select_layers
@@ -48,8 +48,9 @@ def layer_inputs(session: Session, scorer: Scorer, progress: bool = True) -> Sco
             length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size, pair_metrics=1,
             outputs=True, joint=joint, folds=folds, moments=r.capture.moments))
     inputs = calibrate(session.model, session.calibration, session.sinks, session.tokenizer, config=cfg,
-                       batch_size=r.calibration.batch_size, seed=r.selection.seed, progress=progress,
-                       ridge=r.surgery.ridge, checkpoints=session.checkpoints)
+                       options=CalibrationOptions(batch_size=r.calibration.batch_size, seed=r.selection.seed,
+                                                  progress=progress, ridge=r.surgery.ridge,
+                                                  checkpoints=session.checkpoints))
     if not scorer.needs_ablation:
         return inputs
     model, outputs = session.model, inputs.stats.outputs
