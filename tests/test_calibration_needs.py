@@ -3,7 +3,8 @@ layer-by-layer calibration hands each finished layer to are the ones the memory 
 where a scorer or a refit computed from that pass reads it, fold moments only for such a refit with ridge auto --
 and their bytes are the memory model's `a finished layer's whole sums`. The decision itself
 (`runs.calibration_needs`) is tested case by case first, the measured ablation scorers included (the whole-run test
-leaves them out: L x H passes)."""
+leaves them out: L x H passes). The whole-run test calibrates once per scorer and decision (the memory model's
+sizes): settings that decide alike capture alike."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
         seen.append((sums.outputs.has_joint, None if sums.folds is None else len(sums.folds.tokens), _bytes(sums)))
         return finish(self, layer, sums, residual)
     monkeypatch.setattr(per_layer.LayerFinisher, "finish", spy)
-    checked = set()
+    checked, run = set(), set()
     for name in [s for s in SCORERS if not get_scorer(s).needs_ablation]:
         for compensation in ("zero", "mean", "refit"):
             for ridge in ("auto", 0.1):
@@ -86,11 +87,14 @@ def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
                         "scorer": base.scorer.model_copy(update={"name": name}),
                         "surgery": base.surgery.model_copy(update={"compensation": compensation, "ridge": ridge}),
                         "selection": base.selection.model_copy(update={"shape": shape})})
-                    session.recipe, seen[:] = recipe, []
-                    pipeline.make_plan(session, progress=False)
                     model = session.model
                     quota = check_target(arch.geometry(model), pipeline.selection_config(recipe, model))[1]
                     sizes = prune_memory.calibration_sizes(recipe, model, quota)
+                    if (name, sizes) in run:  # this scorer's capture with these sizes is already measured
+                        continue
+                    run.add((name, sizes))
+                    session.recipe, seen[:] = recipe, []
+                    pipeline.make_plan(session, progress=False)
                     case = (name, compensation, ridge, shape)
                     assert len(seen) == arch.geometry(model).n_layers, case
                     assert {(j, f) for j, f, _ in seen} == {(sizes.joint, sizes.folds or None)}, case
@@ -99,4 +103,5 @@ def test_the_calibration_keeps_what_the_memory_model_counts(monkeypatch):
                     checked.add((sizes.joint, sizes.folds, sizes.local))
     # every combination the decision can make was seen: no joint; joint alone; joint with folds and a local refit
     assert checked >= {(False, 0, False), (True, 0, False), (True, 4, True), (True, 0, True)}, checked
+    assert len(run) >= 2 * len([s for s in SCORERS if not get_scorer(s).needs_ablation])  # >= 2 decisions a scorer
     assert get_scorer("refit-energy").reads_joint and not get_scorer("output-norm").reads_joint

@@ -9,8 +9,8 @@ cache (and the layers' q/k/v/o); pruning query heads frees none -- every layer k
 keeps any query head. Each cell removes 2 / 4 / 6 of the 18 attention layers as each layer scorer ranks them
 (`layer-sink-aware`, `layer-cosine`, `layer-ablation`), with zero and mean compensation, and -- the `heads`
 row -- prunes the same number of query heads (4 per layer removed: the same attention compute) with the
-recipe's head scorer under a global budget, which frees no KV cache. Each is scored under a scoped mask on
-each kind of text: the perplexity change against the unpruned model on the same windows, with a paired 95%
+recipe's head scorer under a global budget, which frees no KV cache, with mean and refit (the recipe's). Each is
+scored under a scoped mask on each kind of text: the perplexity change against the unpruned model on the same windows, with a paired 95%
 bootstrap interval over windows (`eval.studies.gemma`'s splits, calibration and windows).
 
 One calibration pass serves every layer scorer (the joint output moments and the attention blocks' cosine
@@ -26,6 +26,7 @@ import json
 import math
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from eval.studies import gemma
@@ -40,8 +41,13 @@ from pruner.runs import compensating, layer_plan, pipeline
 from pruner.runs.recipe_io import load_recipe
 
 SCORERS = (*LAYER_SCORERS, "heads")
-COMPENSATIONS = ("zero", "mean")
+COMPENSATIONS = ("zero", "mean")  # for layers: refit resolves to mean in a layer with no head left
+HEAD_COMPENSATIONS = ("mean", "refit")  # the head row: refit is Gemma's default, zero is ruinous (evidence/gemma.md)
 LAYER_SETTINGS = ["selection.unit=layer", "scorer.name=layer-cosine", "surgery.compensation=refit"]
+
+
+def _compensate(model, outputs, kind: str, heads):
+    return compensate(model, heads, outputs, kind)
 
 
 def layer_plans(s, names: list[str], counts: list[int], compensations: list[str], samples: int) -> dict:
@@ -51,9 +57,8 @@ def layer_plans(s, names: list[str], counts: list[int], compensations: list[str]
     for kind in compensations:
         measured = None
         if "layer-ablation" in names:
-            outputs = inputs.stats.outputs
-            measured = layer_ablations(s.model, subset(s.calibration, samples),
-                                       lambda heads: compensate(s.model, heads, outputs, kind)).increase
+            removing = partial(_compensate, s.model, inputs.stats.outputs, kind)
+            measured = layer_ablations(s.model, subset(s.calibration, samples), removing).increase
         for name in (n for n in names if n in LAYER_SCORERS):
             scored = replace(inputs, layer_ablation=measured)
             for k in counts:
@@ -61,14 +66,14 @@ def layer_plans(s, names: list[str], counts: list[int], compensations: list[str]
     return {"plans": plans, "inputs": inputs}
 
 
-def head_plans(s, counts: list[int]) -> dict:
+def head_plans(s, counts: list[int], compensations: list[str]) -> dict:
     """{k: the plan of k x heads-per-layer query heads} by the recipe's head scorer, global budget, any shape."""
     recipe = load_recipe(gemma.RECIPE, gemma.SETTINGS)
     hs = replace(s, recipe=recipe)
     geom, scorer = arch.geometry(s.model), get_scorer(recipe.scorer.name)
     cfg = pipeline.selection_config(recipe, s.model, float(counts[0] * geom.n_heads))
     inputs = pipeline.scoring_inputs(hs, [scorer], CurveRequest((curve_key(scorer, geom, cfg),)),
-                                     list(COMPENSATIONS), progress=False)
+                                     compensations, progress=False)
     plans = {k: select(scorer, inputs, geom, pipeline.selection_config(recipe, s.model, float(k * geom.n_heads)))
              for k in counts}
     return {"plans": plans, "inputs": inputs, "scorer": scorer.name}
@@ -81,10 +86,10 @@ def record(name: str, k: int, kind: str, text: str, plan, d, freed: float, secon
             "seconds": round(seconds, 1)}
 
 
-def cells(split: str, names: list[str], counts: list[int], compensations: list[str], windows: int,
+def cells(split: str, names: list[str], counts: list[int], compensations: dict[str, list[str]], windows: int,
           samples: int, path: Path) -> list[dict]:
     """Every (scorer, k, compensation, kind of text) cell not already in `path`; records appended as they
-    finish."""
+    finish. `compensations` has the layer rows' (`layers`) and the head row's (`heads`)."""
     records = json.loads(path.read_text()) if path.exists() else []
     done = {(r["scorer"], r["layers"], r["compensation"], r["text"]) for r in records}
     corpora, kinds = gemma.texts(split)
@@ -95,11 +100,12 @@ def cells(split: str, names: list[str], counts: list[int], compensations: list[s
     print(f"base: {', '.join(f'{k} {math.exp(b[0].sum() / b[1].sum()):.2f}' for k, b in base.items())} "
           f"({time.time() - t0:.0f} s)", flush=True)
     L = arch.geometry(s.model).n_layers
-    layers = layer_plans(s, names, counts, compensations, samples) if set(names) & set(LAYER_SCORERS) else None
-    heads = head_plans(s, counts) if "heads" in names else None
+    layers = (layer_plans(s, names, counts, compensations["layers"], samples) if set(names) & set(LAYER_SCORERS)
+              else None)
+    heads = head_plans(s, counts, compensations["heads"]) if "heads" in names else None
     for name in names:
         for k in counts:
-            for kind in compensations:
+            for kind in compensations["heads" if name == "heads" else "layers"]:
                 src = heads if name == "heads" else layers
                 plan = src["plans"][k] if name == "heads" else src["plans"][(name, k, kind)]
                 spec = s.recipe.surgery.model_copy(update={"compensation": kind})
@@ -130,7 +136,8 @@ def main() -> None:
                                                                 "evaluation 256)")
     p.add_argument("--counts", default="2,4,6", help="attention layers removed (of 18)")
     p.add_argument("--scorers", default=",".join(SCORERS), help="layer scorers, and `heads` for the head row")
-    p.add_argument("--compensations", default=",".join(COMPENSATIONS))
+    p.add_argument("--compensations", default=",".join(COMPENSATIONS), help="of the layer rows")
+    p.add_argument("--head-compensations", default=",".join(HEAD_COMPENSATIONS), help="of the head row")
     p.add_argument("--ablation-samples", type=int, default=16, help="calibration samples layer-ablation measures")
     p.add_argument("--out", type=Path, default=None, help="results file (default: the split's)")
     p.add_argument("--tables", action="store_true")
@@ -143,7 +150,8 @@ def main() -> None:
     gemma.OUT.mkdir(parents=True, exist_ok=True)
     windows = a.windows or (32 if a.split == "dev" else 256)
     records = cells(a.split, a.scorers.split(","), [int(k) for k in a.counts.split(",")],
-                    a.compensations.split(","), windows, a.ablation_samples,
+                    {"layers": a.compensations.split(","), "heads": a.head_compensations.split(",")}, windows,
+                    a.ablation_samples,
                     a.out or gemma.OUT / f"layers-{a.split}.json")
     print(tables(records))
 
