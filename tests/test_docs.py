@@ -125,3 +125,27 @@ def test_header_fields_reads_a_header_and_misses_a_missing_field():
     fields = header_fields(page)
     assert fields["Script"] == "`eval/a.py`, `eval/b.py`" and fields["Date"] == "2026-12-04"
     assert "Machine" not in fields and "Body." not in " ".join(fields.values())
+
+
+# A stand-in left where a figure should go: an all-capitals name of letters joined by underscores (GEMMA_TIMES),
+# outside code; quantization types carry digits (Q4_K_M) and symbols a one-letter part (R_KL), so neither matches.
+PLACEHOLDER = re.compile(r"\b[A-Z]{2,}(?:_[A-Z]{2,})+\b")
+
+
+def placeholders(text: str) -> list[str]:
+    """Every placeholder name in `text` outside fenced code blocks and code spans."""
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+    return PLACEHOLDER.findall(prose)
+
+
+@pytest.mark.unit
+def test_placeholders_finds_a_stand_in_and_leaves_code_and_quant_types_alone():
+    assert placeholders("On 2 CPU cores: GEMMA_TIMES.") == ["GEMMA_TIMES"]
+    assert placeholders("Q4_K_M, R_KL, `HF_HUB_OFFLINE=1`\n```bash\nPRUNER_CACHE=x pruner\n```\n") == []
+
+
+@pytest.mark.unit
+def test_no_page_carries_a_placeholder_where_a_figure_belongs():
+    found = [f"{page.relative_to(ROOT)}: {name}" for page in [*guide_pages(), *evidence_pages()]
+             for name in placeholders(page.read_text())]
+    assert not found, "\n".join(found)

@@ -277,3 +277,29 @@ def test_a_run_folders_layer_plan_fits_its_base_and_a_head_plan_emptying_a_layer
     assert provenance.check_fits(tmp_path, layer_plan, None, model) == {1: ALL}  # export rebuilds it
     with pytest.raises(provenance.ProvenanceError, match="emptying it"):
         provenance.check_fits(tmp_path, {"heads": {"1": ALL}, "entries": []}, None, model)
+
+
+# --------------------------------------------------------------------------- the command
+
+def test_pruner_prune_removes_a_layer_with_the_default_refit_and_its_bench_frees_that_layers_kv_cache(tmp_path,
+                                                                                                       capsys):
+    """`pruner prune --set selection.unit=layer` end to end: refit resolved to the mean in the emptied layer (no
+    kept head to refit from, so no refit line to print), the per-layer checkpoint, and a bench whose KV cache
+    saving is exactly the removed layer's share."""
+    from pathlib import Path
+
+    from pruner.cli import main
+
+    out = tmp_path / "run"
+    sets = ["selection.unit=layer", "scorer.name=layer-cosine", "selection.target=1", "calibration.num_samples=8",
+            "evaluation.num_samples=4", "bench.repeats=1", "bench.lengths=[32]", "bench.decode=[[1,8]]",
+            "bench.new_tokens=4"]
+    argv = ["prune", str(Path(__file__).resolve().parents[1] / "recipes" / "llama-shakespeare.yaml"), "--out", str(out)]
+    assert main(argv + [x for s in sets for x in ("--set", s)]) == 0, capsys.readouterr().err[-2000:]
+    printed = capsys.readouterr().out
+    assert "has no kept head to refit from" in printed and "the whole attention of layers" in printed
+    plan, metrics = (json.loads((out / f).read_text()) for f in ("plan.json", "metrics.json"))
+    assert plan["unit"] == "layer" and len(plan["layers"]) == 1 and metrics["pruned_heads"] == 8
+    kv = next(f for f in metrics["bench"]["figures"] if f["name"] == "KV cache")
+    assert kv["saving"] == kv["ideal"] == 0.25  # 1 of the 4 layers' KV cache
+    assert json.loads((out / "model" / "config.json").read_text())["auto_map"]  # the per-layer form

@@ -107,7 +107,7 @@ def _print_sensitivity(m: dict) -> None:
 def _print_refit(m: dict) -> None:
     """A refit's ridge(s) and how much of the pruned heads' energy the kept heads rebuild."""
     fit = m.get("refit")
-    if fit:
+    if fit and fit["layers"]:  # none where every pruned layer lost all its heads (refit is the mean there)
         worst = max(fit["layers"].items(), key=lambda kv: kv[1]["unexplained"] / max(kv[1]["pruned"], 1e-300))
         ridge = ("ridge per layer by cross-validation: " + ", ".join(f"{v['ridge']:g}" for _, v in sorted(
             fit["layers"].items(), key=lambda kv: int(kv[0]))) if fit["ridge"] == "auto" else f"ridge {fit['ridge']:g}")
