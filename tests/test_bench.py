@@ -185,3 +185,21 @@ def test_bench_command_measures_a_run(tmp_path, capsys):
     assert "| figure |" in (run / "bench.md").read_text() and "wrote" in capsys.readouterr().out
     assert main(["bench", str(run), "--decode", "8by2"]) == 2
     assert "BATCHxPROMPT" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_llama_cpp_kv_bytes_sum_every_cache_it_reports():
+    """Gemma 3's sliding-window layers get a KV cache of their own beside the global layers' (llama.cpp's iSWA): the
+    bytes per token are both caches', not the first's (3 of 18 layers)."""
+    from pathlib import Path
+
+    from pruner.evaluation.llamacpp_timing import kv_per_token
+
+    line = ("llama_kv_cache: size = {:7.2f} MiB (  2048 cells, {:3d} layers,  1/1 seqs), "
+            "K (f16): {:7.2f} MiB, V (f16): {:7.2f} MiB\n")
+    iswa = ("llama_kv_cache_iswa: creating non-SWA KV cache, size = 2048 cells\n" + line.format(6, 3, 3, 3)
+            + "llama_kv_cache_iswa: creating     SWA KV cache, size = 2048 cells\n" + line.format(30, 15, 15, 15))
+    assert kv_per_token(iswa, Path("gemma.gguf")) == 18 * 2 * 256 * 2  # 18 layers x K and V x 256 x f16
+    assert kv_per_token(line.format(6, 3, 3, 3), Path("one.gguf")) == 3 * 2 * 256 * 2
+    with pytest.raises(RuntimeError, match="did not report its KV cache"):
+        kv_per_token("no cache here", Path("x.gguf"))

@@ -35,6 +35,7 @@ def test_a_batch_of_joint_moments_takes_what_the_memory_model_counts():
     assert 0.9 * batch <= measured <= 1.2 * batch
 
 
+@pytest.mark.slow  # three processes at T=1024; the memory model's count is checked above
 def test_capture_peak_memory_far_below_eager_at_1024():
     plain, capture, eager = (peak_mib(m, 1024) for m in ("plain", "capture", "eager"))
     print(f"peak growth MiB at T=1024: plain {plain:.0f}, capture {capture:.0f}, eager maps {eager:.0f}")

@@ -82,6 +82,7 @@ def test_a_gguf_llama_cpp_runs_differently_is_refused(tmp_path, capsys, monkeypa
     assert not any(p.name.startswith(("export-gguf", ".export-gguf")) for p in run.iterdir())
 
 
+@pytest.mark.slow  # a benchmark: a fresh process per file and round (the exports are checked above)
 def test_bench_in_llama_cpp_reports_each_figure_next_to_its_ideal(tmp_path, capsys):
     """Half the KV groups removed: llama.cpp's own KV cache report shrinks by exactly the ideal, the file by
     about the parameters' saving (the tokenizer is in both files), and the tables are written."""

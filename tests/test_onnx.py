@@ -112,6 +112,7 @@ def test_a_generation_that_differs_is_refused(tmp_path, monkeypatch, capsys):
     assert not (run / "export-onnx").exists() and json.loads((run / "metrics.json").read_text())["pruned_heads"] == 4
 
 
+@pytest.mark.slow  # a benchmark: a fresh process per model and round (the exports are checked above)
 def test_bench_in_onnxruntime_genai_measures_both_models(tmp_path, capsys):
     """`pruner bench RUN --runtime onnxruntime-genai`: both models built and timed in that runtime; the files
     shrink by the removed heads' share of the parameters; a per-layer run is refused."""

@@ -75,11 +75,17 @@ def measure_file(path: Path, cases: dict) -> dict:
 def _one(path: Path, cases: dict) -> dict:
     """One process's measurements of `path`, with the KV cache bytes per token llama.cpp reported."""
     got, stderr = spawn("pruner.evaluation.llamacpp_timing", path, cases, "llama.cpp")
-    kv = _KV.search(stderr)
-    if kv is None:
-        raise RuntimeError(f"llama.cpp did not report its KV cache for {path} (llama_kv_cache: size = ...)")
-    got["kv_per_token"] = (float(kv.group(3)) + float(kv.group(4))) * 2**20 / int(kv.group(2))
+    got["kv_per_token"] = kv_per_token(stderr, path)
     return got
+
+
+def kv_per_token(stderr: str, path: Path) -> float:
+    """The KV cache's bytes per token from llama.cpp's log: the sum over its caches -- one, or with sliding-window
+    layers (Gemma 3's iSWA) one for the global layers and one for the windowed ones, each `size = ...` line."""
+    caches = list(_KV.finditer(stderr))
+    if not caches:
+        raise RuntimeError(f"llama.cpp did not report its KV cache for {path} (llama_kv_cache: size = ...)")
+    return sum((float(kv.group(3)) + float(kv.group(4))) * 2**20 / int(kv.group(2)) for kv in caches)
 
 
 def measure(files: dict[str, Path], cfg: BenchConfig, vocab: int, progress: bool = False) -> dict[str, Timings]:
