@@ -149,6 +149,8 @@ TABLES = {
                           "--split evaluation --scorers refit-energy --compensations mean,refit "
                           "--targets 0.25,0.4,0.5 --windows 256"),
                    (f"{S}/gemma/evaluation.json",)),
+    "gemma-steps": _one("README.md, docs/evidence/gemma.md: how long each Gemma 3 270M step takes on 2 cores, what "
+                        "pruning it buys in PyTorch and llama.cpp", "eval.bench.gemma_steps", f"{B}/gemma_steps.json"),
     "refit-robust": Table("docs/evidence/compensation.md: refit against mean on a change of text",
                           _steps("eval.studies.refit_robust", "--split dev", "--split evaluation"),
                           (f"{S}/refit/robust_dev.json", f"{S}/refit/robust_evaluation.json")),

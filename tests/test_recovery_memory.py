@@ -162,7 +162,7 @@ def test_the_cache_built_a_window_at_a_time_holds_what_the_whole_batch_gives(tmp
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # the GPU script end to end on a CPU: run before a device session (docs/tests.md)
+@pytest.mark.slow  # the GPU script end to end on a CPU: run it before borrowing a GPU (docs/tests.md)
 def test_the_prepared_gpu_script_runs_its_check_on_a_cpu_and_predicts_without_weights(tmp_path):
     import re
     import subprocess
