@@ -50,11 +50,22 @@ def test_unit_defaults_to_head_and_head_recipes_save_without_it():
     assert saved["selection"]["unit"] == "layer" and load_recipe(saved).selection == layer.selection
 
 
+def test_layers_without_a_scorer_named_take_the_default_layer_scorer_and_a_named_one_is_kept():
+    from pruner.runs.recipe import DEFAULT_LAYER_SCORER
+
+    assert DEFAULT_LAYER_SCORER in LAYER_SCORERS
+    assert recipe("selection.unit=layer").scorer.name == DEFAULT_LAYER_SCORER
+    assert recipe("selection.unit=layer", "scorer.ablation_samples=4").scorer.ablation_samples == 4
+    assert recipe("selection.unit=layer", "scorer.name=layer-ablation").scorer.name == "layer-ablation"
+    assert recipe().scorer.name == "refit-energy"  # heads keep theirs
+    saved = recipe("selection.unit=layer").model_dump(mode="json")
+    assert load_recipe(saved).scorer.name == DEFAULT_LAYER_SCORER  # written out, read back the same
+
+
 @pytest.mark.parametrize("sets,says", [
     (["selection.unit=layers"], "selection.unit: Input should be 'head' or 'layer'"),
     (["selection.unit=layer", "scorer.name=layer-cosine", "selection.target=0"], "selection.target"),
     (["selection.unit=layer", "scorer.name=layer-cosine", "selection.target=2.5"], "a head count is a whole number"),
-    (["selection.unit=layer"], "'refit-energy' (unset: the default) scores heads and selection.unit is layer"),
     (["selection.unit=layer", "scorer.name=sink-aware"], "use one of layer-sink-aware, layer-cosine, layer-ablation"),
     (["scorer.name=layer-cosine"], "'layer-cosine' scores layers and selection.unit is head"),
     (["selection.unit=layer", "scorer.name=auto"], "auto chooses among head scorers"),

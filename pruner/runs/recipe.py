@@ -135,6 +135,11 @@ class ScorerSpec(_Strict):
         return [self.name] if self.name != "auto" else list(self.candidates or AUTO_SCORERS)
 
 
+# selection.unit: layer with no scorer named: the published criterion (He et al. 2024), which did the least damage
+# of the three layer scorers on Gemma 3 270M's development splits (docs/evidence/gemma.md#whole-attention-layers)
+DEFAULT_LAYER_SCORER = "layer-cosine"
+
+
 def layer_scorers() -> list[str]:
     """The registered scorers that rank whole attention layers (selection.unit: layer)."""
     return list(LAYER_SCORERS)
@@ -286,6 +291,23 @@ class Recipe(_Strict):
     recovery: RecoverySpec = RecoverySpec()
     threads: int | None = Field(None, ge=1)
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_scorer_by_default(cls, data):
+        """`selection.unit: layer` with no scorer named ranks layers with DEFAULT_LAYER_SCORER: the head default
+        cannot rank layers, and a user who asks for layers should not have to name a scorer as well."""
+        if not isinstance(data, dict):
+            return data
+        sel, scorer = data.get("selection"), data.get("scorer")
+        unit = sel.get("unit") if isinstance(sel, dict) else getattr(sel, "unit", None)
+        if unit != "layer":
+            return data
+        if scorer is None or (isinstance(scorer, dict) and "name" not in scorer):
+            return {**data, "scorer": {**(scorer or {}), "name": DEFAULT_LAYER_SCORER}}
+        if isinstance(scorer, ScorerSpec) and "name" not in scorer.model_fields_set:
+            return {**data, "scorer": scorer.model_copy(update={"name": DEFAULT_LAYER_SCORER})}
+        return data
 
     @model_validator(mode="after")
     def _auto(self):
