@@ -151,6 +151,11 @@ TABLES = {
                    (f"{S}/gemma/evaluation.json",)),
     "gemma-steps": _one("README.md, docs/evidence/gemma.md: how long each Gemma 3 270M step takes on 2 cores, what "
                         "pruning it buys in PyTorch and llama.cpp", "eval.bench.gemma_steps", f"{B}/gemma_steps.json"),
+    "gemma-layers": Table("docs/evidence/gemma.md: whole attention layers against query heads on Gemma 3 270M",
+                          _steps("eval.studies.gemma_layers", "--split dev --windows 16",
+                                 "--split evaluation --windows 64 --counts 2 --scorers layer-cosine,heads "
+                                 "--compensations mean --head-compensations refit"),
+                          (f"{S}/gemma/layers-dev.json", f"{S}/gemma/layers-evaluation.json")),
     "refit-robust": Table("docs/evidence/compensation.md: refit against mean on a change of text",
                           _steps("eval.studies.refit_robust", "--split dev", "--split evaluation"),
                           (f"{S}/refit/robust_dev.json", f"{S}/refit/robust_evaluation.json")),

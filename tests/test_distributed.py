@@ -92,6 +92,7 @@ def test_prune_under_torchrun_writes_the_plan_of_one_process(tmp_path):
         assert e2[key] == pytest.approx(e1[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.slow  # the whole-model run under torchrun is the default suite's (above); layer by layer in one process too
 def test_prune_layer_by_layer_under_torchrun_writes_the_run_of_one_process(tmp_path):
     """Blocks read from disk in two processes: rank 0 alone keeps the sums, selects and compensates, and hands the
     plan and the compensation to the other; the run folder is the one process's (plan, perplexities, model/)."""

@@ -77,7 +77,8 @@ def one_lora(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("dense,sharded", [(False, False), (False, True), (True, True)],
+@pytest.mark.parametrize("dense,sharded", [  # the default suite keeps the sharded compact case
+    pytest.param(False, False, marks=pytest.mark.slow), (False, True), pytest.param(True, True, marks=pytest.mark.slow)],
                          ids=["compact-replicated", "compact-fsdp", "dense-fsdp"])
 def test_lora_in_two_processes_recovers_to_the_weights_of_one(one_lora, tmp_path, dense, sharded):
     """LoRA's adapters start from the recovery's seed in every process (they used to start from whatever each

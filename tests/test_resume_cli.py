@@ -184,6 +184,7 @@ def test_a_kill_from_outside_after_the_first_checkpoint_resumes(models, referenc
 
 
 @pytest.mark.xdist_group("torchrun")
+@pytest.mark.slow  # three torchrun launches; one process killed and resumed is the default suite's (above)
 def test_two_processes_killed_and_resumed(models, tmp_path):
     """torchrun, 2 processes: rank 1 kills itself mid-capture, torchrun ends rank 0; the resumed pair equals an
     uninterrupted pair."""
