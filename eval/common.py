@@ -1,5 +1,5 @@
-"""What the eval scripts share: where the repository and its results are, a script run in a fresh process, and
-random-weight models of the public shapes (`pruner.core.shapes`)."""
+"""What the eval scripts share: where the repository and its results are, a script run in a fresh process (and a
+command timed to its end with its own peak memory), and random-weight models of the public shapes (`pruner.core.shapes`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +38,29 @@ def run_module(module: str, args: list[str], env: dict | None = None, stderr=sub
     A script re-runs itself as `run_module(__spec__.name, ...)`: its dotted name, also when it is `__main__`."""
     return subprocess.run([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=stderr, text=True,
                           env=child_env() if env is None else env)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A child process run to its end."""
+
+    seconds: float     # wall clock, start to exit
+    peak_bytes: int    # its own peak resident set (its rusage; RUSAGE_CHILDREN's would be the largest child so far)
+    returncode: int
+    output: str        # its stderr, with its stdout before it when `stdout=True`
+
+
+def run_timed(argv: list[str], env: dict | None = None, stdout: bool = False, cwd: Path | None = ROOT) -> Finished:
+    """Run `argv` to its end in `cwd` (None: this process's), timed, with its own peak memory (`os.wait4`); its
+    stdout is discarded unless `stdout`. `env` defaults to `child_env()`."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        child = subprocess.Popen(argv, cwd=cwd, env=child_env() if env is None else env,
+                                 stdout=log if stdout else subprocess.DEVNULL, stderr=log, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - t0
+        log.seek(0)
+        return Finished(seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status), log.read())
 
 
 def command_line() -> str:

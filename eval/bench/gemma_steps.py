@@ -27,12 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from eval.common import GIB, RESULTS, ROOT, child_env
+from eval.common import GIB, RESULTS, ROOT, child_env, run_timed
 
 RECIPE = "recipes/gemma3-270m.yaml"
 STEPS = ("convert", "prune", "gguf", "bench-llama.cpp", "layers")
@@ -54,16 +52,9 @@ def commands(work: Path) -> dict[str, list[str]]:
 
 def timed(argv: list[str], env: dict[str, str]) -> dict:
     """Run `argv` to its end: wall seconds, the child's peak resident GiB, its exit code and its output's tail."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t0
-        log.seek(0)
-        tail = log.read()[-3000:]
-    return {"command": " ".join(argv), "seconds": round(wall, 1), "peak_gib": round(usage.ru_maxrss * 1024 / GIB, 2),
-            "returncode": proc.returncode, "tail": tail}
+    done = run_timed(argv, env, stdout=True)
+    return {"command": " ".join(argv), "seconds": round(done.seconds, 1), "peak_gib": round(done.peak_bytes / GIB, 2),
+            "returncode": done.returncode, "tail": done.output[-3000:]}
 
 
 def run_steps(steps: list[str], work: Path) -> dict[str, dict]:
@@ -90,8 +81,9 @@ def bench_tables(work: Path) -> dict[str, str]:
     out = {}
     for name, run in (("heads, PyTorch", work / "heads"), ("2 layers, PyTorch", work / "layers")):
         metrics = run / "metrics.json"
-        if metrics.exists() and json.loads(metrics.read_text()).get("bench"):
-            out[name] = BenchResult.from_dict(json.loads(metrics.read_text())["bench"]).table()
+        bench = json.loads(metrics.read_text()).get("bench") if metrics.exists() else None
+        if bench:
+            out[name] = BenchResult.from_dict(bench).table()
     if (work / "heads" / "bench-llama.cpp.md").exists():
         out["heads, llama.cpp"] = (work / "heads" / "bench-llama.cpp.md").read_text()
     return out

@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from eval.common import ROOT
+from eval.common import ROOT, run_timed
 
 DOMAINS = ("shakespeare:evaluation", "python-docs:evaluation", "package-docs:evaluation")
 DEV = ("shakespeare:calibration", "python-docs:dev")  # development text: calibration plays, the docstrings' dev split
@@ -32,15 +30,10 @@ RECIPES = {"gpt2-shakespeare": "gpt2-shakespeare.yaml", "llama-shakespeare": "ll
 def cli(args: list[str]) -> tuple[float, float]:
     """Run `pruner ARGS` in a child process; (wall seconds, this child's peak RSS in GiB: its own rusage, where
     RUSAGE_CHILDREN's would be the largest of every child so far)."""
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as err:
-        child = subprocess.Popen([sys.executable, "-m", "pruner.cli", *args], stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
-        child.returncode = os.waitstatus_to_exitcode(status)
-        if child.returncode:
-            err.seek(0)
-            raise SystemExit(f"pruner {' '.join(args)} failed: {err.read()[-2000:]}")
-    return time.perf_counter() - t0, usage.ru_maxrss / 2**20
+    done = run_timed([sys.executable, "-m", "pruner.cli", *args], env=dict(os.environ), cwd=None)
+    if done.returncode:
+        raise SystemExit(f"pruner {' '.join(args)} failed: {done.output[-2000:]}")
+    return done.seconds, done.peak_bytes / 2**30
 
 
 def run_folder(out: Path, model: str, sparsity: str) -> Path:
