@@ -3,9 +3,11 @@ and by the memory model that predicts it alike (`pruner.runs.calibration_memory`
 
 from __future__ import annotations
 
+from pruner.attention.config import CaptureConfig
 from pruner.pruning.per_layer import LocalCompensation
 from pruner.pruning.scoring import Scorer, get_scorer
-from pruner.runs.recipe import SurgerySpec
+from pruner.runs.recipe import Recipe, SurgerySpec
+from pruner.runs.resources import Sizes
 
 
 def capture_reads(scorers: list[Scorer], kinds: list[str], spec: SurgerySpec, layerwise: bool,
@@ -26,6 +28,21 @@ def capture_reads(scorers: list[Scorer], kinds: list[str], spec: SurgerySpec, la
     joint = any(s.reads_joint for s in scorers) or refit_here
     folds = spec.folds if refit_here and spec.ridge == "auto" else 0
     return joint, folds
+
+
+def capture_setup(recipe: Recipe, scorers: list[Scorer], kinds: list[str], windows: tuple[int, int], *,
+                  metrics: tuple[str, ...] = ("cosine",), layerwise: bool = False, local: bool = False,
+                  layer_cosine: bool = False) -> tuple[CaptureConfig, Sizes]:
+    """The capture's config for one calibration pass over `windows` (samples, length) and the memory model's sizes
+    of that same pass, both from `capture_reads`, so the memory check prices exactly what the pass accumulates."""
+    r, (samples, length) = recipe, windows
+    joint, folds = capture_reads(scorers, kinds, r.surgery, layerwise, local)
+    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, joint=joint, folds=folds,
+                        moments=r.capture.moments, layer_cosine=layer_cosine)
+    sizes = Sizes(batch_size=min(r.calibration.batch_size, samples), length=length,
+                  chunk_size=r.capture.chunk_size, pair_metrics=len(metrics), outputs=True, joint=joint, folds=folds,
+                  moments=r.capture.moments, gradient=any(s.needs_gradient for s in scorers), local=local)
+    return cfg, sizes
 
 
 def local_compensation(quota: list[int] | None, key, spec: SurgerySpec,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pruner.attention.capture import CaptureConfig
 from pruner.core import arch
 from pruner.pruning.ablation import layer_ablations, subset
 from pruner.pruning.calibrate import CalibrationOptions, calibrate
@@ -39,14 +38,10 @@ def layer_inputs(session: Session, scorer: Scorer, progress: bool = True) -> Sco
     only for the layer-cosine scorer), and for the layer-ablation scorer L + 1 measured passes."""
     r = session.recipe
     kind = r.surgery.compensation
-    joint, folds = calibration_needs.capture_reads([scorer], [kind], r.surgery, False, False)
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=("cosine",), outputs=True, joint=joint,
-                        folds=folds, moments=r.capture.moments, layer_cosine=scorer.reads_layer_cosine)
+    cfg, sizes = calibration_needs.capture_setup(r, [scorer], [kind], tuple(session.calibration.input_ids.shape),
+                                                 layer_cosine=scorer.reads_layer_cosine)
     if r.capture.memory_check:
-        resources.check_memory(session.model, resources.Sizes(
-            batch_size=min(r.calibration.batch_size, len(session.calibration)),
-            length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size, pair_metrics=1,
-            outputs=True, joint=joint, folds=folds, moments=r.capture.moments))
+        resources.check_memory(session.model, sizes)
     inputs = calibrate(session.model, session.calibration, session.sinks, session.tokenizer, config=cfg,
                        options=CalibrationOptions(batch_size=r.calibration.batch_size, seed=r.selection.seed,
                                                   progress=progress, ridge=r.surgery.ridge,

@@ -14,7 +14,6 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 
-from pruner.attention.capture import CaptureConfig
 from pruner.checkpoints import layout, streamed
 from pruner.core import arch, distributed
 from pruner.core.layerwise import PassOptions
@@ -53,14 +52,9 @@ def scoring_inputs(session: Session, scorers: list[Scorer], request: CurveReques
     r = session.recipe
     metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))  # redundancy scorers read cosine
     layerwise = session.onloader is not None
-    joint, folds = calibration_needs.capture_reads(scorers, kinds, r.surgery, layerwise, bool(request.local))
-    cfg = CaptureConfig(chunk_size=r.capture.chunk_size, metrics=metrics, outputs=True, joint=joint, folds=folds,
-                        moments=r.capture.moments)
-    gradient, ablation = any(s.needs_gradient for s in scorers), any(s.needs_ablation for s in scorers)
-    sizes = resources.Sizes(batch_size=min(r.calibration.batch_size, len(session.calibration)),
-                            length=session.calibration.input_ids.shape[1], chunk_size=r.capture.chunk_size,
-                            pair_metrics=len(metrics), outputs=True, joint=joint, folds=folds,
-                            moments=r.capture.moments, gradient=gradient, local=bool(request.local))
+    cfg, sizes = calibration_needs.capture_setup(r, scorers, kinds, tuple(session.calibration.input_ids.shape),
+                                                 metrics=metrics, layerwise=layerwise, local=bool(request.local))
+    gradient, ablation = sizes.gradient, any(s.needs_ablation for s in scorers)
     if layerwise:  # one block resident at a time
         check_layerwise(session, sizes, any(s.needs_systems for s in scorers))
         return calibrate_layerwise(session.model, session.calibration, session.sinks, session.tokenizer, cfg,

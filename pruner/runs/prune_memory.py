@@ -133,12 +133,10 @@ def calibration_sizes(recipe, model, quota: list[int] | None) -> Sizes:
     scorer, s = scorer_of(r), r.surgery.resolved()
     key = CurveKey(scorer.name, None, r.selection.gqa, 1)
     local = bool(calibration_needs.local_compensation(quota, key, s, True))
-    joint, folds = calibration_needs.capture_reads([scorer], s.choices(), s, True, local)
     cal = r.calibration
-    samples = cal.num_samples or 64
-    return Sizes(batch_size=min(cal.batch_size, samples), length=cal.length, chunk_size=r.capture.chunk_size,
-                 pair_metrics=len(dict.fromkeys(["cosine", *r.capture.metrics])), outputs=True, joint=joint,
-                 folds=folds, moments=r.capture.moments, gradient=scorer.needs_gradient, local=local)
+    metrics = tuple(dict.fromkeys(["cosine", *r.capture.metrics]))
+    return calibration_needs.capture_setup(r, [scorer], s.choices(), (cal.num_samples or 64, cal.length),
+                                           metrics=metrics, layerwise=True, local=local)[1]
 
 
 def recipe_model(recipe):
