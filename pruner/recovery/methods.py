@@ -3,8 +3,9 @@ merged at the end (`lora`), or the kept heads' projections alone (`attention`).
 
 `blocks` leaves the embeddings, the final norm and the LM head as the base has them: pruning never touched them,
 and under AdamW every vocabulary row moves on every step (each gets a gradient through the softmax), however
-rarely its token occurs in the recovery text. With a large tied vocabulary (Gemma 3: 262,144 rows, 62% of the
-weights) that drift costs more on other text than the blocks win back. The architecture adapters say where attention lives; PEFT does LoRA.
+rarely its token occurs in the recovery text, which a large tied vocabulary (Gemma 3: 262,144 rows, 62% of the
+weights) might pay for on other text. Measured on Gemma, freezing them did not help (docs/evidence/gemma.md): the
+recovery text mattered, not the vocabulary. The architecture adapters say where attention lives; PEFT does LoRA.
 
 A student in the dense form (`surgery.mode: mask`) keeps its pruned heads as zero columns
 of the output projection: `keep_pruned_zero` puts them back to zero after every step, and
