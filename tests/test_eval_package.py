@@ -17,9 +17,10 @@ NOT_SCRIPTS = {"eval", "eval.__main__", "eval.common", "eval.studies.recovery.me
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of eval/, dotted name -> file."""
+    """Every module of eval/, dotted name -> file; not what the scripts write under eval/results/ (a run folder's
+    model/ holds its remote-code file, which is an artefact, not eval code)."""
     out = {}
-    for path in sorted(EVAL.rglob("*.py")):
+    for path in sorted(p for p in EVAL.rglob("*.py") if (EVAL / "results") not in p.parents):
         parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
