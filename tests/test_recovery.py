@@ -151,6 +151,48 @@ def test_the_evaluation_text_is_refused_as_recovery_data():
     check_overlap(RecoverySpec(), ev)  # generated
 
 
+@pytest.mark.unit
+def test_a_list_of_sources_is_checked_and_none_may_be_the_evaluation_text():
+    from pruner.recovery.data import check_overlap
+    from pruner.runs.recipe import EvaluationSpec, RecipeError
+    from pruner.runs.recipe_io import validate_section
+
+    assert RecoverySpec(data=["shakespeare:train"]).data == "shakespeare:train"  # a list of one is that source
+    assert RecoverySpec(data=["shakespeare:train", "python-docs:dev"]).sources == ["shakespeare:train", "python-docs:dev"]
+    for bad, says in ((["generated", "shakespeare:train"], "not mixed with other sources"),
+                      (["shakespeare:train", "shakespeare:train"], "names a source twice"),
+                      (["shakespeare:train", "shakespeare:nope"], "shakespeare has the splits"), ([], "one or more")):
+        with pytest.raises(RecipeError, match=says):
+            validate_section("recovery", {"data": bad})
+    with pytest.raises(RecoveryError, match="shakespeare:evaluation overlaps the evaluation windows"):
+        check_overlap(RecoverySpec(data=["python-docs:dev", "shakespeare:evaluation"]), EvaluationSpec())
+
+
+@pytest.mark.unit
+def test_a_mixture_gives_each_source_an_equal_share_interleaved(word_tokenizer, tmp_path):
+    from pruner.commands.recover import values
+    from pruner.recovery.data import from_source
+
+    (tmp_path / "a.txt").write_text(" ".join(["the king"] * 400))
+    (tmp_path / "b.txt").write_text(" ".join(["my lord"] * 400))
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    spec = RecoverySpec(data=[a, b], tokens=40 * 16, length=16, batch_size=4, seed=3)
+    w = from_source(spec, word_tokenizer, 40, 5)
+    king = word_tokenizer.convert_tokens_to_ids("king")
+
+    def from_a(batch):  # (window,) True where the window is source a's text
+        return (batch.input_ids == king).any(-1)
+
+    assert w.train.input_ids.shape == (40, 16) and w.validation.input_ids.shape == (5, 16)
+    assert int(from_a(w.train).sum()) == 20 and int(from_a(w.validation).sum()) == 3  # 5 = 3 + 2: the earlier first
+    assert 0 < int(from_a(w.train)[:8].sum()) < 8  # interleaved: the first two batches hold both kinds of text
+    assert w.source == f"{a}, {b}"
+    again = from_source(spec, word_tokenizer, 40, 5)
+    assert torch.equal(again.train.input_ids, w.train.input_ids)  # seeded
+    args = type("Args", (), {"set": None, "tokens": None, "data": [a, b]})()
+    assert values(args) == {"data": [a, b]}
+
+
 def pair(family: str = "gpt2", heads=None, mode: str = "remove"):
     teacher = tiny_model(family)
     student = copy.deepcopy(teacher)

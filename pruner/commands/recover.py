@@ -16,8 +16,9 @@ def add_parser(sub, common) -> None:
     p.add_argument("run", metavar="RUN_DIR", help="a `pruner prune` run folder")
     p.add_argument("--out", help="output folder (default: RUN_DIR-recovered)")
     p.add_argument("--tokens", type=int, help="training token budget (recovery.tokens)")
-    p.add_argument("--data", help="generated (default: text the teacher samples) or a data source: "
-                                  "shakespeare:train, a local .txt file/folder, a Hub dataset id (recovery.data)")
+    p.add_argument("--data", action="append", metavar="SOURCE",
+                   help="generated (default: text the teacher samples) or a data source: shakespeare:train, a local "
+                        ".txt file/folder, a Hub dataset id (recovery.data); repeat it to mix sources in equal shares")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a recovery key, e.g. --set recovery.method=lora (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -38,7 +39,7 @@ def values(args: argparse.Namespace) -> dict:
     if args.tokens is not None:
         out["tokens"] = args.tokens
     if args.data is not None:
-        out["data"] = args.data
+        out["data"] = args.data[0] if len(args.data) == 1 else args.data
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pruner.core import arch, assets, data, runtime
+from pruner.core.mixture import shares
 from pruner.recovery.spec import GENERATED, RecoverySpec
 
 MAX_VALIDATION = 32  # windows: enough for a stable mean KL, cheap enough to measure often
@@ -60,39 +61,60 @@ def _local(path: str) -> Path | None:
 
 
 def check_overlap(spec: RecoverySpec, evaluation) -> None:
-    """Refuse a recovery source that is (or contains, or lies in) the run's evaluation text (`evaluation`: the
-    recipe's evaluation section)."""
+    """Refuse a recovery source (any of a list's) that is (or contains, or lies in) the run's evaluation text
+    (`evaluation`: the recipe's evaluation section)."""
     if spec.data == GENERATED:
         return
-    same = (spec.data, spec.name, spec.split) == (evaluation.data, evaluation.name, evaluation.split)
-    a, b = _local(spec.data), _local(evaluation.data)
-    if not same and a is not None and b is not None:
-        same = a == b or a in b.parents or b in a.parents
-    if same:
-        raise RecoveryError(f"recovery.data: {spec.data} overlaps the evaluation windows ({evaluation.data}), "
-                            "which recovery never trains on; use another source (e.g. shakespeare:train) or "
-                            "the default, generated")
+    for source in spec.sources:
+        same = (source, spec.name, spec.split) == (evaluation.data, evaluation.name, evaluation.split)
+        a, b = _local(source), _local(evaluation.data)
+        if not same and a is not None and b is not None:
+            same = a == b or a in b.parents or b in a.parents
+        if same:
+            raise RecoveryError(f"recovery.data: {source} overlaps the evaluation windows ({evaluation.data}), "
+                                "which recovery never trains on; use another source (e.g. shakespeare:train) or "
+                                "the default, generated")
 
 
 def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: list[str] | None = None) -> Windows:
     """Windows of a data source (or of `texts` given in memory), shuffled by the seed; the validation slice first,
-    the budget cycling over the rest when the source is shorter than the budget."""
+    the budget cycling over the rest when the source is shorter than the budget. A list of sources: each gives an
+    equal share of the training and of the validation windows (largest remainders), drawn as it would be alone,
+    and the training windows are interleaved by a seeded permutation, so every batch mixes the kinds of text."""
+    if texts is not None or len(spec.sources) == 1:
+        return _windows(spec, spec.sources[0], tokenizer, n_train, n_val, texts)
+    k = len(spec.sources)
+    parts = [_windows(spec, s, tokenizer, t, v) for s, t, v in
+             zip(spec.sources, shares(n_train, [1.0] * k), shares(n_val, [1.0] * k))]
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(spec.seed))
+
+    def joined(batches: list[data.TokenBatch], i=None) -> data.TokenBatch:
+        ids, mask = torch.cat([b.input_ids for b in batches]), torch.cat([b.attention_mask for b in batches])
+        return data.TokenBatch(ids, mask) if i is None else data.TokenBatch(ids[i], mask[i])
+
+    return Windows(joined([p.train for p in parts], order), joined([p.validation for p in parts]),
+                   ", ".join(spec.sources), max(p.epochs for p in parts))
+
+
+def _windows(spec: RecoverySpec, source: str, tokenizer, n_train: int, n_val: int,
+             texts: list[str] | None = None) -> Windows:
+    """`n_train` training and `n_val` validation windows of one source (`from_source`)."""
     if texts is None:
-        texts = data.load_texts(data.TextSource(spec.data, spec.split, spec.text_column, spec.name))
+        texts = data.load_texts(data.TextSource(source, spec.split, spec.text_column, spec.name))
     every = data.token_windows(tokenizer, texts, spec.length, bos=True)
     g = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(len(every), generator=g)
     if len(every) < n_val + spec.batch_size:
-        raise RecoveryError(f"recovery.data: {spec.data} has {len(every)} windows of {spec.length} tokens, fewer "
+        raise RecoveryError(f"recovery.data: {source} has {len(every)} windows of {spec.length} tokens, fewer "
                             f"than one batch ({spec.batch_size}) plus the validation slice ({n_val})")
     val, pool = order[:n_val], order[n_val:]
     reps = math.ceil(n_train / len(pool))
-    train = torch.cat([pool[torch.randperm(len(pool), generator=g)] for _ in range(reps)])[:n_train]
+    train = torch.cat([pool[torch.randperm(len(pool), generator=g)] for _ in range(reps)] or [pool[:0]])[:n_train]
 
     def pick(i):
         return data.TokenBatch(every.input_ids[i], every.attention_mask[i])
 
-    return Windows(pick(train), pick(val), spec.data, round(n_train / len(pool), 3))
+    return Windows(pick(train), pick(val), source, round(n_train / len(pool), 3))
 
 
 GENERATE_BYTES = 1 << 30  # one generation batch's KV cache and per-step logits, at most (at least one window)

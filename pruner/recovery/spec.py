@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pruner.core.mixture import check_sources
 
 METHODS = ("full", "blocks", "lora", "attention")
 GENERATED = "generated"  # text sampled from the teacher itself
@@ -24,8 +26,9 @@ class RecoverySpec(BaseModel):
                                                  "heads' projections; unset: full where the student's training "
                                                  "state and the teacher fit the free memory, else lora")
     tokens: int = Field(65536, ge=1, description="training token budget (real, non-pad tokens)")
-    data: str = Field(GENERATED, min_length=1, description="generated (text the teacher samples, cached in the run "
-                                                           "folder) or any data source the recipes accept")
+    data: str | list[str] = Field(GENERATED, description="generated (text the teacher samples, cached in the run "
+                                                         "folder), any data source the recipes accept, or a list of "
+                                                         "them (equal shares of the windows)")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -65,6 +68,27 @@ class RecoverySpec(BaseModel):
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"unknown recovery method {self.method!r}; valid: {', '.join(METHODS)}")
         return self
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, v: str | list[str]) -> str | list[str]:
+        """One source (`generated` included) or a list of data sources; a list of one is that source."""
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("must name a source (it is empty)")
+            return v
+        if GENERATED in v:
+            raise ValueError(f"{GENERATED} samples the whole recovery text from the teacher: it is not mixed with "
+                             "other sources; give it alone or list data sources only")
+        if len(set(v)) < len(v):
+            raise ValueError(f"the list names a source twice ({v}); each source gets an equal share")
+        check_sources(v)
+        return v[0] if len(v) == 1 else v
+
+    @property
+    def sources(self) -> list[str]:
+        """The data sources, one or more (`[generated]` for the teacher's own text)."""
+        return [self.data] if isinstance(self.data, str) else list(self.data)
 
     def peak_lr(self) -> float:
         """The learning rate: `lr`, else 1e-4 for every weight (`full`, `blocks`, `attention`) and 1e-3 for LoRA's adapters --

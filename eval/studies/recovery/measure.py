@@ -22,7 +22,9 @@ import torch
 from eval.common import ROOT, run_timed
 
 DOMAINS = ("shakespeare:evaluation", "python-docs:evaluation", "package-docs:evaluation")
-DEV = ("shakespeare:calibration", "python-docs:dev")  # development text: calibration plays, the docstrings' dev split
+# development text: the calibration plays (the plays have no development split), the docstrings' and the packages'
+# documentation's development splits
+DEV = ("shakespeare:calibration", "python-docs:dev", "package-docs:dev")
 RECIPES = {"gpt2-shakespeare": "gpt2-shakespeare.yaml", "llama-shakespeare": "llama-shakespeare.yaml",
            "minilm-causal": "quickstart.yaml", "gemma-3-270m": "gemma3-270m.yaml"}
 
