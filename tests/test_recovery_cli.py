@@ -79,6 +79,23 @@ def test_recover_writes_a_run_folder_whose_model_reloads(llama_run, tmp_path, ca
     assert loading.load_model(str(out / "model")).config.num_attention_heads == 4  # plain from_pretrained too
 
 
+def test_recover_mixes_sources_given_twice_and_records_each(llama_run, tmp_path, capsys):
+    out = tmp_path / "mix"
+    assert main(["recover", str(llama_run), "--out", str(out), *SMALL, "--data", "shakespeare:train",
+                 "--data", "python-docs:dev"]) == 0
+    assert "data shakespeare:train, python-docs:dev" in capsys.readouterr().out
+    r = json.loads((out / "metrics.json").read_text())["recovery"]
+    assert r["data"] == "shakespeare:train, python-docs:dev" and r["spec"]["data"] == ["shakespeare:train",
+                                                                                         "python-docs:dev"]
+    src = json.loads((out / "provenance.json").read_text())["recovery"]["source"]
+    assert src["kind"] == "mixture" and [x["kind"] for x in src["sources"]] == ["files", "python-docs"]
+    assert main(["recover", str(llama_run), "--out", str(tmp_path / "bad"), *SMALL, "--data", "shakespeare:train",
+                 "--data", "shakespeare:evaluation"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "shakespeare:evaluation overlaps the evaluation windows" in err[0]
+    assert not (tmp_path / "bad").exists()
+
+
 def _with_recipe(run: Path, folder: Path, **sections) -> Path:
     import yaml
 
