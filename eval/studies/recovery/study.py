@@ -4,7 +4,8 @@
     python -m eval.studies.recovery.study CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--windows N|all] [--out DIR]
 
 A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
-(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal, gemma-3-270m; DATA: generated or shakespeare:train); `--set` adds a
+(MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal, gemma-3-270m; DATA: generated, a data source such as
+shakespeare:train, or sources mixed in equal shares joined by `+`); `--set` adds a
 `recovery:` setting to every config (one chosen on development text, eval.studies.recovery.dev). For each:
 
 1. the run `pruner prune` makes of the model's recipe at SPARSITY with the recipe's scorer (refit-energy; Gemma's
@@ -63,12 +64,12 @@ CONFIGS = (  # the docs' table: MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER
 )
 
 def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | None = 64) -> dict:
-    model, sparsity, data, tokens, method, teacher = config.split(":", 5) if config.count(":") == 5 else \
-        _with_colon(config)
+    model, sparsity, data, tokens, method, teacher = parse(config)
     run = run_folder(out, model, sparsity)
     ref = reference(run, model, count=count)
     rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
-    wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens, "--data", data,
+    wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens,
+                      *(x for source in data.split("+") for x in ("--data", source)),
                       "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
                       *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
     import pruner
@@ -96,10 +97,13 @@ def kl_cell(d: dict) -> str:
     return f"{d['kl_pruned']:.4f} → {d['kl_recovered']:.4f} ({d['R_kl']:.2f})" if "R_kl" in d else "—"
 
 
-def _with_colon(config: str) -> tuple[str, ...]:
-    """DATA may hold a colon (shakespeare:train): MODEL:SPARSITY:SRC:SPLIT:TOKENS:METHOD:TEACHER."""
+def parse(config: str) -> tuple[str, ...]:
+    """MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, where DATA may hold colons (shakespeare:train) and name several
+    sources mixed in equal shares with `+` (shakespeare:train+python-docs:dev)."""
     p = config.split(":")
-    return (p[0], p[1], f"{p[2]}:{p[3]}", p[4], p[5], p[6])
+    if len(p) < 6:
+        raise SystemExit(f"{config}: expected MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER")
+    return (p[0], p[1], ":".join(p[2:-3]), *p[-3:])
 
 
 def table(records: list[dict]) -> str:
