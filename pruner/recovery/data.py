@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pruner.core import arch, assets, data, runtime
-from pruner.core.mixture import shares
+from pruner.core.mixture import concat, shares, take
 from pruner.recovery.spec import GENERATED, RecoverySpec
 
 MAX_VALIDATION = 32  # windows: enough for a stable mean KL, cheap enough to measure often
@@ -87,12 +87,7 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
     parts = [_windows(spec, s, tokenizer, t, v) for s, t, v in
              zip(spec.sources, shares(n_train, [1.0] * k), shares(n_val, [1.0] * k))]
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(spec.seed))
-
-    def joined(batches: list[data.TokenBatch], i=None) -> data.TokenBatch:
-        ids, mask = torch.cat([b.input_ids for b in batches]), torch.cat([b.attention_mask for b in batches])
-        return data.TokenBatch(ids, mask) if i is None else data.TokenBatch(ids[i], mask[i])
-
-    return Windows(joined([p.train for p in parts], order), joined([p.validation for p in parts]),
+    return Windows(take(concat([p.train for p in parts]), order), concat([p.validation for p in parts]),
                    ", ".join(spec.sources), max(p.epochs for p in parts))
 
 

@@ -114,6 +114,15 @@ def data_identity(path: str, name: str | None = None, split: str = "train", text
             "fingerprint": ds._fingerprint}
 
 
+def sources_identity(sources: str | list[str], name: str | None = None, split: str = "train",
+                     text_column: str = "text", weights=None) -> dict:
+    """`data_identity` of one source, or of a mixture: each source's identity, and the weights (None: equal)."""
+    if isinstance(sources, list):
+        return {"kind": "mixture", "weights": weights,
+                "sources": [data_identity(p, name, split, text_column) for p in sources]}
+    return data_identity(sources, name, split, text_column)
+
+
 def texts_identity(texts: list[str]) -> dict:
     """Identity of texts given in memory: their count and the sha256 of their UTF-8 bytes."""
     h = hashlib.sha256()
@@ -147,10 +156,7 @@ def identity(recipe, *, model=None, tokenizer_given: bool = False, calibration_t
     out = {"model": object_identity(model, path) if held else model_identity(path, recipe.model.mlm_readout),
            "tokenizer": {"kind": "object", "name": path} if tokenizer_given and held else tokenizer_identity(path)}
     def section(d) -> dict:
-        if isinstance(d.data, list):  # a mixture: each source's identity, and the weights
-            return {"kind": "mixture", "weights": d.weights,
-                    "sources": [data_identity(p, d.name, d.split, d.text_column) for p in d.data]}
-        return data_identity(d.data, d.name, d.split, d.text_column)
+        return sources_identity(d.data, d.name, d.split, d.text_column, getattr(d, "weights", None))
     data = {"calibration": texts_identity(calibration_texts) if calibration_texts is not None
             else section(recipe.calibration)}
     if evaluation:

@@ -372,20 +372,12 @@ def write_run(run: folders.Run, recipe, model, tokenizer, metrics: dict, tmp: Pa
     shutil.rmtree(tmp / resume.STATE, ignore_errors=True)
 
 
-def _source_identity(spec: dict) -> dict:
-    """The recovery text's identity: one source's, or a list's (each source's, equal shares)."""
-    if isinstance(spec["data"], list):
-        return {"kind": "mixture", "weights": "equal", "sources": [
-            provenance.data_identity(p, spec["name"], spec["split"], spec["text_column"]) for p in spec["data"]]}
-    return provenance.data_identity(spec["data"], spec["name"], spec["split"], spec["text_column"])
-
-
 def provenance_record(run: folders.Run, record: dict) -> dict:
     """What the recovery was made from: the teacher (the run's base), the data, the budget and the seed."""
     spec = record["spec"]
     source = {"generated": {"kind": "generated", "by": "teacher", "seed": spec["seed"],
                             "temperature": spec["temperature_generate"]}} if spec["data"] == GENERATED else \
-        {"source": _source_identity(spec)}
+        {"source": provenance.sources_identity(spec["data"], spec["name"], spec["split"], spec["text_column"])}
     return {"from_run": str(run.folder), "teacher": provenance.base_identity(run.recipe.model)["model"],
             **source, "budget": record["budget"], "tokens": record["tokens"], "seed": record["seed"]}
 
