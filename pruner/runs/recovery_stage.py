@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 from tqdm.auto import tqdm
 
 from pruner.checkpoints import loading
-from pruner.core import data, distributed, resume, runtime
+from pruner.core import distributed, mixture, resume, runtime
 from pruner.core.host_memory import reuse_buffers
 from pruner.evaluation.perplexity import (
     BlockwisePass,
@@ -87,8 +86,7 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
              onloader=None):
     if spec.teacher == "resident":
         return rteacher.Resident(teacher, spec.temperature)
-    every = data.TokenBatch(torch.cat([windows.train.input_ids, windows.validation.input_ids]),
-                            torch.cat([windows.train.attention_mask, windows.validation.attention_mask]))
+    every = mixture.concat([windows.train, windows.validation])  # the cache holds both: (train + validation, length)
     folder = Path(folder) / f"rank-{distributed.rank()}"  # several processes: one cache each, no shared writes
     return rteacher.Cached.build(teacher, every, folder,
                                  rteacher.CacheSpec(spec.top_k, spec.temperature, spec.tail_samples, spec.seed),

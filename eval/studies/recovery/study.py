@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 
 import torch
+import yaml
 
 from eval.common import RESULTS
 from eval.studies.recovery.measure import (
@@ -63,23 +64,31 @@ CONFIGS = (  # the docs' table: MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER
     "minilm-causal:0.25:generated:65536:full:resident",
 )
 
-def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | None = 64) -> dict:
+def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | None = 64,
+        recovered: Path | None = None) -> dict:
+    """The config's record; `recovered`: a folder already recovered for it (`reused`), scored, not trained again."""
     model, sparsity, data, tokens, method, teacher = parse(config)
     run = run_folder(out, model, sparsity)
     ref = reference(run, model, count=count)
-    rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
-    wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens,
-                      *(x for source in data.split("+") for x in ("--data", source)),
-                      "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
-                      *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
+    if recovered is None:
+        rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
+        wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens,
+                          *(x for source in data.split("+") for x in ("--data", source)),
+                          "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
+                          *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
+    else:
+        rec, wall, peak = reused(recovered, run, config, settings), None, None
     import pruner
     from pruner.checkpoints import loading
 
     m = json.loads((rec / "metrics.json").read_text())["recovery"]
-    recovered, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
+    student, tok = pruner.load(rec / "model").float(), loading.load_tokenizer(model)
     base = loading.load_model(model).float()
-    record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model, "sparsity": float(sparsity), "data": data, "tokens": int(tokens),
-              "method": method, "teacher": teacher, "wall_s": round(wall, 1), "peak_rss_gib": round(peak, 2),
+    record = {"config": config, **({"settings": list(settings)} if settings else {}), "model": model,
+              "sparsity": float(sparsity), "data": data, "tokens": int(tokens), "method": method, "teacher": teacher,
+              "wall_s": None if wall is None else round(wall, 1),
+              "peak_rss_gib": None if peak is None else round(peak, 2),
+              **({"reused": str(recovered)} if recovered else {}),
               "tokens_per_second": m["tokens_per_second"], "train_seconds": m["seconds"], "kept": m["kept"],
               "validation_kl": [m["validation_kl_pruned"], m["validation_kl_best"]],
               "validation_history": m.get("validation_history"), "restarts": m.get("restarts", []),
@@ -87,9 +96,39 @@ def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | Non
               **({} if count == 64 else {"windows": count or "all"})}
     for d in DOMAINS:
         w = windows(tok, d, count)
-        total, _ = window_nll(recovered, w)
-        record[d] = held_out(ref[d]["windows"], total, divergence(base, recovered, w))
+        total, _ = window_nll(student, w)
+        record[d] = held_out(ref[d]["windows"], total, divergence(base, student, w))
     return record
+
+
+def reused(folder: Path, run: Path, config: str, settings: tuple[str, ...]) -> Path:
+    """`folder`, checked to be this config's recovery of this run: the same pruned heads, and a recorded spec with
+    the config's tokens, data, method and teacher and every `--set` (eval.studies.recovery.dev recovers the study's
+    run with the same command, so its folders qualify). One line and no record otherwise."""
+    model, sparsity, data, tokens, method, teacher = parse(config)
+    try:
+        got, made = (json.loads((p / "metrics.json").read_text()) for p in (Path(folder), run))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--recovered {folder}: not a recovered run folder ({e})") from None
+    spec = (got.get("recovery") or {}).get("spec", {})
+    want = {"tokens": int(tokens), "data": data.split("+") if "+" in data else data, "method": method,
+            "teacher": teacher, **{k: yaml.safe_load(v) for k, v in (x.split("=", 1) for x in settings)}}
+    wrong = [f"{k} {spec.get(k)!r} (want {v!r})" for k, v in want.items() if not _same(spec.get(k), v)]
+    if got.get("pruned_heads") != made.get("pruned_heads"):
+        wrong.append(f"pruned heads differ from {run}'s")
+    if wrong:
+        raise SystemExit(f"--recovered {folder}: not {config}: " + "; ".join(wrong))
+    return Path(folder)
+
+
+def _same(recorded, wanted) -> bool:
+    """A recorded spec value against a `--set` one, numbers as numbers (YAML reads `1e-3` as a string)."""
+    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and isinstance(wanted, str):
+        try:
+            return float(wanted) == recorded
+        except ValueError:
+            return False
+    return recorded == wanted
 
 
 def kl_cell(d: dict) -> str:
@@ -119,9 +158,14 @@ def table(records: list[dict]) -> str:
         held = " | ".join(" | ".join([*cells(r[d]), kl_cell(r[d])]) if d in r else "— | — | —" for d in DOMAINS)
         rows.append(f"| {r['model']} | {r['sparsity']:g} | {data} | {r['tokens']:,} | {r['method']} | "
                     f"{r['teacher']} | {held} | {r['tokens_per_second']:.0f} "
-                    f"({r['plain_tokens_per_second']:.0f}) | {r['wall_s']:.0f} | {r['peak_rss_gib']:.2f} | "
-                    f"{r['kept']} |")
+                    f"({r['plain_tokens_per_second']:.0f}) | {_or_dash(r['wall_s'], '.0f')} | "
+                    f"{_or_dash(r['peak_rss_gib'], '.2f')} | {r['kept']} |")
     return "\n".join(rows)
+
+
+def _or_dash(x: float | None, fmt: str) -> str:
+    """A figure, or a dash where a reused recovery (`--recovered`) left no wall time or memory of its own."""
+    return "—" if x is None else format(x, fmt)
 
 
 def main() -> None:
@@ -133,13 +177,18 @@ def main() -> None:
                          "development text: eval.studies.recovery.dev)")
     ap.add_argument("--windows", type=window_count, default=64, help="how many of each held-out split's windows "
                     "of 128 tokens to score, from its start, or `all` (default 64, the figures before 2026-12-04)")
+    ap.add_argument("--recovered", type=Path, help="with one CONFIG: score this folder, already recovered for it "
+                    "(e.g. by eval.studies.recovery.dev), instead of training again; its wall time and memory are "
+                    "not re-measured")
     args = ap.parse_args()
+    if args.recovered and len(args.configs) != 1:
+        ap.error("--recovered scores one config's recovery: name exactly one CONFIG")
     count = args.windows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for config in args.configs:
-        record = one(out, config, tuple(args.set), count)
+        record = one(out, config, tuple(args.set), count, args.recovered)
         with open(out / "records.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
