@@ -2,6 +2,7 @@
 
     python -m eval.studies.recovery.study        # the docs' set of configs (CONFIGS below; ~20 min on 2 cores)
     python -m eval.studies.recovery.study CONFIG [CONFIG ...] [--set KEY=VALUE ...] [--windows N|all] [--out DIR]
+    python -m eval.studies.recovery.study CONFIG --recovered DIR   # score a folder dev.py already recovered for CONFIG
 
 A CONFIG is MODEL:SPARSITY:DATA:TOKENS:METHOD:TEACHER, e.g. `llama-shakespeare:0.5:generated:131072:full:resident`
 (MODEL: gpt2-shakespeare, llama-shakespeare, minilm-causal, gemma-3-270m; DATA: generated, a data source such as
