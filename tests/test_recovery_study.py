@@ -41,35 +41,49 @@ def test_the_interval_resamples_64_contiguous_blocks_and_R_is_the_ratio_of_sums(
     assert got[1235]["ci"][1] - got[1235]["ci"][0] < got[64]["ci"][1] - got[64]["ci"][0]
 
 
-def _folder(path, pruned_heads, **spec):
+def _folder(path, pruned_heads, spec=None, recipe=None):
+    """A run folder's files `reused` reads: metrics.json (pruned heads, and a recovery's spec), recipe.yaml."""
     import json
+    import shutil
 
     path.mkdir()
     metrics = {"pruned_heads": pruned_heads, **({"recovery": {"spec": spec}} if spec else {})}
     (path / "metrics.json").write_text(json.dumps(metrics))
+    if recipe:
+        shutil.copy(recipe, path / "recipe.yaml")
     return path
 
 
 @pytest.mark.unit
 def test_a_reused_recovery_must_be_the_configs_own(tmp_path):
     """`--recovered`: a folder recovered elsewhere (by dev.py) is scored only when it recovered this run with the
-    config's budget, data, method, teacher and settings; anything else is refused in one line."""
+    spec `pruner recover` makes of the config's budget, data, method, teacher and settings; anything else is
+    refused in one line."""
+    from pruner.runs.recipe_io import load_recipe
+    from pruner.runs.recovery_stage import run_spec
+
+    from eval.common import ROOT
     from eval.studies.recovery.study import reused
 
     heads = [[0, 1], [3, 2]]
-    run = _folder(tmp_path / "run", heads)
+    recipe = ROOT / "recipes" / "gemma3-270m.yaml"
+    run = _folder(tmp_path / "run", heads, recipe=recipe)
     mix = ["shakespeare:train", "python-docs:dev"]
-    good = _folder(tmp_path / "good", heads, tokens=131072, data=mix, method="lora", teacher="resident", lr=0.001)
+    spec = run_spec(load_recipe(recipe), {"tokens": 131072, "data": mix, "method": "lora", "teacher": "resident",
+                                          "lr": 1e-3}).model_dump(mode="json")  # what `pruner recover` records
+    good = _folder(tmp_path / "good", heads, spec)
     config = "gemma-3-270m:0.5:shakespeare:train+python-docs:dev:131072:lora:resident"
     assert reused(good, run, config, ("lr=1e-3",)) == good
     with pytest.raises(SystemExit, match=r"tokens 131072 \(want 65536\)"):
-        reused(good, run, config.replace("131072", "65536"), ())
+        reused(good, run, config.replace("131072", "65536"), ("lr=1e-3",))
     with pytest.raises(SystemExit, match=r"data .*want 'shakespeare:train'"):
-        reused(good, run, "gemma-3-270m:0.5:shakespeare:train:131072:lora:resident", ())
-    with pytest.raises(SystemExit, match=r"lr 0.001 \(want '3e-4'\)"):
+        reused(good, run, "gemma-3-270m:0.5:shakespeare:train:131072:lora:resident", ("lr=1e-3",))
+    with pytest.raises(SystemExit, match=r"lr 0.001 \(want 0.0003\)"):
         reused(good, run, config, ("lr=3e-4",))
-    other = _folder(tmp_path / "other", [[0, 1]], tokens=131072, data=mix, method="lora", teacher="resident")
+    with pytest.raises(SystemExit, match=r"lr 0.001 \(want None\)"):  # a setting the config leaves at its default
+        reused(good, run, config, ())
+    other = _folder(tmp_path / "other", [[0, 1]], spec)
     with pytest.raises(SystemExit, match="pruned heads differ"):
-        reused(other, run, config, ())
+        reused(other, run, config, ("lr=1e-3",))
     with pytest.raises(SystemExit, match="not a recovered run folder"):
         reused(tmp_path / "missing", run, config, ())

@@ -302,11 +302,11 @@ def pruned_model(run: folders.Run):
     return loading.load(folder).float().eval(), loading.load_tokenizer(str(folder))
 
 
-def run_spec(run: folders.Run, values: dict) -> RecoverySpec:
-    """The run recipe's recovery section with `values` (dotted `recovery.` keys or plain ones) on top."""
+def run_spec(recipe, values: dict) -> RecoverySpec:
+    """A run recipe's recovery section with `values` (dotted `recovery.` keys or plain ones) on top."""
     from pruner.runs.recipe_io import validate_section
 
-    tree = run.recipe.recovery.model_dump(mode="json")
+    tree = recipe.recovery.model_dump(mode="json")
     tree.update({k.removeprefix("recovery."): v for k, v in values.items()})
     return validate_section("recovery", tree)
 
@@ -315,7 +315,7 @@ def recover_run(run_dir, out, values: dict, overwrite: bool = False, resume_run:
                 progress: bool = True) -> dict:
     """`pruner recover RUN_DIR`: a new run folder `out` whose model/ is the recovered model; returns its metrics."""
     run = folders.load_run(Path(run_dir))
-    spec = run_spec(run, values)
+    spec = run_spec(run.recipe, values)
     check(spec, run.recipe.evaluation, Path(out).parent)
     if not (run.folder / "model" / "config.json").exists():
         pruned_model(run)  # the one-line refusal

@@ -35,7 +35,6 @@ import os
 from pathlib import Path
 
 import torch
-import yaml
 
 from eval.common import RESULTS
 from eval.studies.recovery.measure import (
@@ -73,10 +72,7 @@ def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | Non
     ref = reference(run, model, count=count)
     if recovered is None:
         rec = out / "recovered" / "_".join([config.replace(":", "_"), *(x.replace("=", "-") for x in settings)])
-        wall, peak = cli(["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens,
-                          *(x for source in data.split("+") for x in ("--data", source)),
-                          "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
-                          *(x for kv in settings for x in ("--set", f"recovery.{kv}"))])
+        wall, peak = cli(recover_argv(run, rec, config, settings))
     else:
         rec, wall, peak = reused(recovered, run, config, settings), None, None
     import pruner
@@ -102,34 +98,37 @@ def one(out: Path, config: str, settings: tuple[str, ...] = (), count: int | Non
     return record
 
 
-def reused(folder: Path, run: Path, config: str, settings: tuple[str, ...]) -> Path:
-    """`folder`, checked to be this config's recovery of this run: the same pruned heads, and a recorded spec with
-    the config's tokens, data, method and teacher and every `--set` (eval.studies.recovery.dev recovers the study's
-    run with the same command, so its folders qualify). One line and no record otherwise."""
+def recover_argv(run: Path, rec: Path, config: str, settings: tuple[str, ...]) -> list[str]:
+    """The `pruner recover` arguments that recover `run` into `rec` as `config` says, with `settings` set."""
     model, sparsity, data, tokens, method, teacher = parse(config)
+    return ["recover", str(run), "--out", str(rec), "--overwrite", "--tokens", tokens,
+            *(x for source in data.split("+") for x in ("--data", source)),
+            "--set", f"recovery.method={method}", "--set", f"recovery.teacher={teacher}",
+            *(x for kv in settings for x in ("--set", f"recovery.{kv}"))]
+
+
+def reused(folder: Path, run: Path, config: str, settings: tuple[str, ...]) -> Path:
+    """`folder`, checked to be this config's recovery of this run: the same pruned heads, and the recovery spec
+    `pruner recover` would make of `recover_argv` on the run's recipe, field for field (eval.studies.recovery.dev
+    recovers the study's run with the same command, so its folders qualify). One line and no record otherwise."""
+    from pruner.cli import build_parser
+    from pruner.commands.recover import values
+    from pruner.runs.recipe_io import load_recipe
+    from pruner.runs.recovery_stage import run_spec
+
     try:
         got, made = (json.loads((p / "metrics.json").read_text()) for p in (Path(folder), run))
     except (OSError, ValueError) as e:
         raise SystemExit(f"--recovered {folder}: not a recovered run folder ({e})") from None
     spec = (got.get("recovery") or {}).get("spec", {})
-    want = {"tokens": int(tokens), "data": data.split("+") if "+" in data else data, "method": method,
-            "teacher": teacher, **{k: yaml.safe_load(v) for k, v in (x.split("=", 1) for x in settings)}}
-    wrong = [f"{k} {spec.get(k)!r} (want {v!r})" for k, v in want.items() if not _same(spec.get(k), v)]
+    args = build_parser().parse_args(recover_argv(run, Path(folder), config, settings))
+    want = run_spec(load_recipe(run / "recipe.yaml"), values(args)).model_dump(mode="json")
+    wrong = [f"{k} {spec.get(k)!r} (want {v!r})" for k, v in want.items() if spec.get(k) != v]
     if got.get("pruned_heads") != made.get("pruned_heads"):
         wrong.append(f"pruned heads differ from {run}'s")
     if wrong:
         raise SystemExit(f"--recovered {folder}: not {config}: " + "; ".join(wrong))
     return Path(folder)
-
-
-def _same(recorded, wanted) -> bool:
-    """A recorded spec value against a `--set` one, numbers as numbers (YAML reads `1e-3` as a string)."""
-    if isinstance(recorded, (int, float)) and not isinstance(recorded, bool) and isinstance(wanted, str):
-        try:
-            return float(wanted) == recorded
-        except ValueError:
-            return False
-    return recorded == wanted
 
 
 def kl_cell(d: dict) -> str:
