@@ -159,7 +159,10 @@ def test_a_list_of_sources_is_checked_and_none_may_be_the_evaluation_text():
 
     assert RecoverySpec(data=["shakespeare:train"]).data == "shakespeare:train"  # a list of one is that source
     assert RecoverySpec(data=["shakespeare:train", "python-docs:dev"]).sources == ["shakespeare:train", "python-docs:dev"]
-    for bad, says in ((["generated", "shakespeare:train"], "not mixed with other sources"),
+    assert RecoverySpec(data=["generated", "python-docs:dev"]).sources == ["generated", "python-docs:dev"]
+    check_overlap(RecoverySpec(data=["generated", "python-docs:dev"]), EvaluationSpec())
+    for bad, says in ((["generated", "generated"], "names a source twice"),
+                      (["generated", "shakespeare:nope"], "shakespeare has the splits"),
                       (["shakespeare:train", "shakespeare:train"], "names a source twice"),
                       (["shakespeare:train", "shakespeare:nope"], "shakespeare has the splits"), ([], "one or more")):
         with pytest.raises(RecipeError, match=says):
@@ -191,6 +194,31 @@ def test_a_mixture_gives_each_source_an_equal_share_interleaved(word_tokenizer, 
     assert torch.equal(again.train.input_ids, w.train.input_ids)  # seeded
     args = type("Args", (), {"set": None, "tokens": None, "data": [a, b]})()
     assert values(args) == {"data": [a, b]}
+
+
+@pytest.mark.unit
+def test_generated_in_a_mixture_is_its_share_of_the_teachers_text(word_tokenizer, tmp_path):
+    from pruner.recovery.data import Windows, from_source
+    from pruner.core import data
+
+    (tmp_path / "a.txt").write_text(" ".join(["the king"] * 400))
+    a, asked = str(tmp_path / "a.txt"), []
+    queen = word_tokenizer.convert_tokens_to_ids("queen")
+
+    def generate(n_train, n_val):  # stands in for the teacher: windows of "queen" only
+        asked.append((n_train, n_val))
+        batch = lambda n: data.TokenBatch(torch.full((n, 16), queen), torch.ones(n, 16, dtype=torch.long))  # noqa: E731
+        return Windows(batch(n_train), batch(n_val), "generated", 1.0)
+
+    spec = RecoverySpec(data=["generated", a], tokens=40 * 16, length=16, batch_size=4, seed=3)
+    w = from_source(spec, word_tokenizer, 40, 5, generate=generate)
+    assert asked == [(20, 3)]  # the generated source's equal share, asked of the teacher once
+    is_generated = (w.train.input_ids == queen).all(-1)
+    assert int(is_generated.sum()) == 20 and int((w.validation.input_ids == queen).all(-1).sum()) == 3
+    assert 0 < int(is_generated[:8].sum()) < 8  # interleaved with the file's windows
+    assert w.source == f"generated, {a}"
+    with pytest.raises(RecoveryError, match="needs the teacher"):
+        from_source(spec, word_tokenizer, 40, 5)
 
 
 def pair(family: str = "gpt2", heads=None, mode: str = "remove"):

@@ -1,6 +1,7 @@
 """The recovery tokens: windows of a data source the recipes accept, or text the teacher samples itself.
 
-`generated` needs nothing beyond the model (self-data distillation): every window starts
+`generated` needs nothing beyond the model (self-data distillation); in a list it is one source
+among the others (the teacher's text beside the user's own kinds of text). Every generated window starts
 with the sink token a run's windows start with and continues with tokens the teacher
 samples at `temperature_generate`, from a seeded generator, so the same seed gives the
 same windows. They are kept as token ids (no detokenise/retokenise round trip) in a cache
@@ -17,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +65,9 @@ def _local(path: str) -> Path | None:
 def check_overlap(spec: RecoverySpec, evaluation) -> None:
     """Refuse a recovery source (any of a list's) that is (or contains, or lies in) the run's evaluation text
     (`evaluation`: the recipe's evaluation section)."""
-    if spec.data == GENERATED:
-        return
     for source in spec.sources:
+        if source == GENERATED:
+            continue
         same = (source, spec.name, spec.split) == (evaluation.data, evaluation.name, evaluation.split)
         a, b = _local(source), _local(evaluation.data)
         if not same and a is not None and b is not None:
@@ -76,15 +78,25 @@ def check_overlap(spec: RecoverySpec, evaluation) -> None:
                                 "the default, generated")
 
 
-def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: list[str] | None = None) -> Windows:
+def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: list[str] | None = None,
+                generate: Callable[[int, int], Windows] | None = None) -> Windows:
     """Windows of a data source (or of `texts` given in memory), shuffled by the seed; the validation slice first,
     the budget cycling over the rest when the source is shorter than the budget. A list of sources: each gives an
     equal share of the training and of the validation windows (largest remainders), drawn as it would be alone,
-    and the training windows are interleaved by a seeded permutation, so every batch mixes the kinds of text."""
+    and the training windows are interleaved by a seeded permutation, so every batch mixes the kinds of text.
+    `generate(n_train, n_val)`: the windows of the `generated` source (`generated`, bound to the teacher)."""
+
+    def one(source: str, t: int, v: int, given: list[str] | None = None) -> Windows:
+        if source != GENERATED or given is not None:
+            return _windows(spec, source, tokenizer, t, v, given)
+        if generate is None:
+            raise RecoveryError("recovery.data: generated needs the teacher to sample from")
+        return generate(t, v)
+
     if texts is not None or len(spec.sources) == 1:
-        return _windows(spec, spec.sources[0], tokenizer, n_train, n_val, texts)
+        return one(spec.sources[0], n_train, n_val, texts)
     k = len(spec.sources)
-    parts = [_windows(spec, s, tokenizer, t, v) for s, t, v in
+    parts = [one(s, t, v) for s, t, v in
              zip(spec.sources, shares(n_train, [1.0] * k), shares(n_val, [1.0] * k))]
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(spec.seed))
     return Windows(take(concat([p.train for p in parts]), order), concat([p.validation for p in parts]),

@@ -28,7 +28,7 @@ class RecoverySpec(BaseModel):
     tokens: int = Field(65536, ge=1, description="training token budget (real, non-pad tokens)")
     data: str | list[str] = Field(GENERATED, description="generated (text the teacher samples, cached in the run "
                                                          "folder), any data source the recipes accept, or a list of "
-                                                         "them (equal shares of the windows)")
+                                                         "them, generated included (equal shares of the windows)")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -72,17 +72,17 @@ class RecoverySpec(BaseModel):
     @field_validator("data")
     @classmethod
     def _data(cls, v: str | list[str]) -> str | list[str]:
-        """One source (`generated` included) or a list of data sources; a list of one is that source."""
+        """One source or a list of them, `generated` (the teacher's own text) a source like any other; a list of
+        one is that source."""
         if isinstance(v, str):
             if not v.strip():
                 raise ValueError("must name a source (it is empty)")
             return v
-        if GENERATED in v:
-            raise ValueError(f"{GENERATED} samples the whole recovery text from the teacher: it is not mixed with "
-                             "other sources; give it alone or list data sources only")
         if len(set(v)) < len(v):
             raise ValueError(f"the list names a source twice ({v}); each source gets an equal share")
-        check_sources(v)
+        rest = [x for x in v if x != GENERATED]
+        if rest or not v:
+            check_sources(rest)  # an empty list: refused
         return v[0] if len(v) == 1 else v
 
     @property

@@ -96,7 +96,7 @@ def _targets(spec: RecoverySpec, teacher, windows: rdata.Windows, folder: Path |
 def check_layerwise_teacher(spec: RecoverySpec) -> None:
     """A teacher read a block at a time (always a `cached` one: a resident teacher is loaded whole) can fill the
     cache, not sample text."""
-    if spec.data == GENERATED:
+    if GENERATED in spec.sources:
         raise rdata.RecoveryError("recovery.data: generated samples text from the whole teacher, which this run "
                                   "reads a block at a time (capture.onload: sequential); name a data source "
                                   "(e.g. shakespeare:train) or set capture.onload: all")
@@ -153,11 +153,8 @@ def recover_models(student, teacher, tokenizer, spec: RecoverySpec, *, text: Rec
                                                teacher_bytes=0 if onloader is not None else None)
     if choice and options.progress and distributed.is_main():
         tqdm.write(choice)
-    if spec.data == GENERATED and text.texts is None:
-        windows = rdata.generated(spec, teacher, tokenizer, n_train, n_val, text.data_cache, text.identity or {},
-                                  options.progress)
-    else:
-        windows = rdata.from_source(spec, tokenizer, n_train, n_val, text.texts)
+    windows = rdata.from_source(spec, tokenizer, n_train, n_val, text.texts, generate=lambda t, v: rdata.generated(
+        spec, teacher, tokenizer, t, v, text.data_cache, text.identity or {}, options.progress))
     base, before, kl_before = scores(teacher, student, evaluation, onloader)
     task_base = None if not tasks or onloader is not None else _task_scores(tasks, teacher, tokenizer)
     task_before = _task_scores(tasks, student, tokenizer) if tasks else None
@@ -373,9 +370,13 @@ def write_run(run: folders.Run, recipe, model, tokenizer, metrics: dict, tmp: Pa
 def provenance_record(run: folders.Run, record: dict) -> dict:
     """What the recovery was made from: the teacher (the run's base), the data, the budget and the seed."""
     spec = record["spec"]
+    sources = [spec["data"]] if isinstance(spec["data"], str) else spec["data"]
+    rest = [s for s in sources if s != GENERATED]  # a mixture: the generated share beside the others
     source = {"generated": {"kind": "generated", "by": "teacher", "seed": spec["seed"],
-                            "temperature": spec["temperature_generate"]}} if spec["data"] == GENERATED else \
-        {"source": provenance.sources_identity(spec["data"], spec["name"], spec["split"], spec["text_column"])}
+                            "temperature": spec["temperature_generate"]}} if GENERATED in sources else {}
+    if rest:
+        source["source"] = provenance.sources_identity(rest[0] if len(rest) == 1 else rest, spec["name"],
+                                                       spec["split"], spec["text_column"])
     return {"from_run": str(run.folder), "teacher": provenance.base_identity(run.recipe.model)["model"],
             **source, "budget": record["budget"], "tokens": record["tokens"], "seed": record["seed"]}
 
