@@ -84,7 +84,8 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
     the budget cycling over the rest when the source is shorter than the budget. A list of sources: each gives an
     equal share of the training and of the validation windows (largest remainders), drawn as it would be alone,
     and the training windows are interleaved by a seeded permutation, so every batch mixes the kinds of text.
-    `generate(n_train, n_val)`: the windows of the `generated` source (`generated`, bound to the teacher)."""
+    `generate(n_train, n_val)`: the `generated` source's windows (`generated` bound to the teacher), called only
+    when a source is `generated`."""
 
     def one(source: str, t: int, v: int, given: list[str] | None = None) -> Windows:
         if source != GENERATED or given is not None:
