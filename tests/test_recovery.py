@@ -193,7 +193,35 @@ def test_a_mixture_gives_each_source_an_equal_share_interleaved(word_tokenizer, 
     again = from_source(spec, word_tokenizer, 40, 5)
     assert torch.equal(again.train.input_ids, w.train.input_ids)  # seeded
     args = type("Args", (), {"set": None, "tokens": None, "data": [a, b]})()
-    assert values(args) == {"data": [a, b]}
+    assert values(args) == {"data": [a, b], "weights": None}  # sources named on the command line: equal shares
+    args.set = ["recovery.weights=[3, 1]"]
+    assert values(args) == {"data": [a, b], "weights": [3, 1]}
+
+
+@pytest.mark.unit
+def test_weights_share_a_mixture_and_a_zero_share_is_never_read(word_tokenizer, tmp_path):
+    from pruner.recovery.data import from_source
+    from pruner.runs.recipe import RecipeError
+    from pruner.runs.recipe_io import validate_section
+
+    (tmp_path / "a.txt").write_text(" ".join(["the king"] * 400))
+    (tmp_path / "b.txt").write_text(" ".join(["my lord"] * 400))
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    king = word_tokenizer.convert_tokens_to_ids("king")
+    spec = RecoverySpec(data=[a, b], weights=[3, 1], tokens=40 * 16, length=16, batch_size=4, seed=3)
+    w = from_source(spec, word_tokenizer, 40, 5)
+    assert int((w.train.input_ids == king).any(-1).sum()) == 30  # 3 of every 4 training windows
+    assert int((w.validation.input_ids == king).any(-1).sum()) == 4  # 3.75 + 1.25: the larger remainder rounds up
+    assert spec.shares() == [3, 1] and RecoverySpec(data=[a, b]).shares() == [1.0, 1.0]
+    (tmp_path / "b.txt").unlink()  # a source with no share is not read
+    only_a = from_source(RecoverySpec(data=[a, b], weights=[1, 0], length=16, batch_size=4), word_tokenizer, 40, 5)
+    assert bool((only_a.train.input_ids == king).any(-1).all())
+    for bad, says in (({"data": [a, "python-docs:dev"], "weights": [1]}, "1 weights for 2 sources"),
+                      ({"data": [a, "python-docs:dev"], "weights": [1, -1]}, "must be >= 0"),
+                      ({"data": [a, "python-docs:dev"], "weights": [0, 0]}, "sum to a positive"),
+                      ({"data": a, "weights": [1]}, "recovery.data names one")):
+        with pytest.raises(RecipeError, match=says):
+            validate_section("recovery", bad)
 
 
 @pytest.mark.unit

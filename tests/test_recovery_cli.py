@@ -90,11 +90,13 @@ def test_recover_mixes_sources_given_twice_and_records_each(llama_run, tmp_path,
     src = json.loads((out / "provenance.json").read_text())["recovery"]["source"]
     assert src["kind"] == "mixture" and [x["kind"] for x in src["sources"]] == ["files", "python-docs"]
     assert main(["recover", str(llama_run), "--out", str(tmp_path / "gen"), *SMALL, "--data", "generated",
-                 "--data", "python-docs:dev"]) == 0  # the teacher's text beside a kind of text of the user's
+                 "--data", "python-docs:dev", "--set", "recovery.weights=[3, 1]"]) == 0  # the teacher's text
+    # beside a kind of text of the user's, three windows of it to one
     r = json.loads((tmp_path / "gen" / "metrics.json").read_text())["recovery"]
     prov = json.loads((tmp_path / "gen" / "provenance.json").read_text())["recovery"]
     assert r["data"] == "generated, python-docs:dev" and r["kept"] in ("recovered", "pruned")
     assert prov["generated"]["by"] == "teacher" and prov["source"]["kind"] == "python-docs"
+    assert prov["weights"] == {"generated": 3, "python-docs:dev": 1} and r["spec"]["weights"] == [3, 1]
     capsys.readouterr()  # the generation's progress
     assert main(["recover", str(llama_run), "--out", str(tmp_path / "bad"), *SMALL, "--data", "shakespeare:train",
                  "--data", "shakespeare:evaluation"]) == 2

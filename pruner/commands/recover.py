@@ -18,7 +18,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--tokens", type=int, help="training token budget (recovery.tokens)")
     p.add_argument("--data", action="append", metavar="SOURCE",
                    help="generated (default: text the teacher samples) or a data source: shakespeare:train, a local "
-                        ".txt file/folder, a Hub dataset id (recovery.data); repeat it to mix sources in equal shares")
+                        ".txt file/folder, a Hub dataset id (recovery.data); repeat it to mix sources in equal shares "
+                        "(other shares: --set recovery.weights=[2,1])")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a recovery key, e.g. --set recovery.method=lora (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -40,6 +41,7 @@ def values(args: argparse.Namespace) -> dict:
         out["tokens"] = args.tokens
     if args.data is not None:
         out["data"] = args.data[0] if len(args.data) == 1 else args.data
+        out.setdefault("weights", None)  # sources named here: equal shares unless weights are set here too
     return out
 
 

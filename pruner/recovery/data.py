@@ -81,9 +81,10 @@ def check_overlap(spec: RecoverySpec, evaluation) -> None:
 def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: list[str] | None = None,
                 generate: Callable[[int, int], Windows] | None = None) -> Windows:
     """Windows of a data source (or of `texts` given in memory), shuffled by the seed; the validation slice first,
-    the budget cycling over the rest when the source is shorter than the budget. A list of sources: each gives an
-    equal share of the training and of the validation windows (largest remainders), drawn as it would be alone,
-    and the training windows are interleaved by a seeded permutation, so every batch mixes the kinds of text.
+    the budget cycling over the rest when the source is shorter than the budget. A list of sources: each gives its
+    share (`spec.weights`, default equal) of the training and of the validation windows (largest remainders), drawn
+    as it would be alone (a source whose share is zero is not read), and the training windows are interleaved by a
+    seeded permutation, so every batch mixes the kinds of text.
     `generate(n_train, n_val)`: the `generated` source's windows (`generated` bound to the teacher), called only
     when a source is `generated`."""
 
@@ -96,9 +97,8 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
 
     if texts is not None or len(spec.sources) == 1:
         return one(spec.sources[0], n_train, n_val, texts)
-    k = len(spec.sources)
-    parts = [one(s, t, v) for s, t, v in
-             zip(spec.sources, shares(n_train, [1.0] * k), shares(n_val, [1.0] * k))]
+    w = spec.shares()
+    parts = [one(s, t, v) for s, t, v in zip(spec.sources, shares(n_train, w), shares(n_val, w)) if t + v > 0]
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(spec.seed))
     return Windows(take(concat([p.train for p in parts]), order), concat([p.validation for p in parts]),
                    ", ".join(spec.sources), max(p.epochs for p in parts))

@@ -28,7 +28,10 @@ class RecoverySpec(BaseModel):
     tokens: int = Field(65536, ge=1, description="training token budget (real, non-pad tokens)")
     data: str | list[str] = Field(GENERATED, description="generated (text the teacher samples, cached in the run "
                                                          "folder), any data source the recipes accept, or a list of "
-                                                         "them, generated included (equal shares of the windows)")
+                                                         "them, generated included (equal shares of the windows "
+                                                         "unless `weights` says otherwise)")
+    weights: list[float] | None = Field(None, description="a list's share of the windows per source (default: equal "
+                                                          "shares)")
     split: str = "train"
     text_column: str = "text"
     name: str | None = None
@@ -79,11 +82,28 @@ class RecoverySpec(BaseModel):
                 raise ValueError("must name a source (it is empty)")
             return v
         if len(set(v)) < len(v):
-            raise ValueError(f"the list names a source twice ({v}); each source gets an equal share")
+            raise ValueError(f"the list names a source twice ({v}): give it a larger weight instead")
         rest = [x for x in v if x != GENERATED]
         if rest or not v:
             check_sources(rest)  # an empty list: refused
         return v[0] if len(v) == 1 else v
+
+    @model_validator(mode="after")
+    def _weights(self):
+        """One weight per source of a list (>= 0, a positive finite sum); none for a single source."""
+        if self.weights is not None:
+            n = len(self.sources)
+            if n == 1:
+                raise ValueError("recovery.weights: weights share a list of sources; recovery.data names one")
+            if len(self.weights) != n:
+                raise ValueError(f"recovery.weights: {len(self.weights)} weights for {n} sources")
+            if any(not w >= 0 for w in self.weights) or not 0 < sum(self.weights) < float("inf"):
+                raise ValueError(f"recovery.weights must be >= 0 and sum to a positive number, got {self.weights}")
+        return self
+
+    def shares(self) -> list[float]:
+        """Each source's weight: `weights`, else equal shares."""
+        return list(self.weights) if self.weights is not None else [1.0] * len(self.sources)
 
     @property
     def sources(self) -> list[str]:

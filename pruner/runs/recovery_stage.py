@@ -377,6 +377,8 @@ def provenance_record(run: folders.Run, record: dict) -> dict:
     if rest:
         source["source"] = provenance.sources_identity(rest[0] if len(rest) == 1 else rest, spec["name"],
                                                        spec["split"], spec["text_column"])
+    if spec.get("weights") is not None:
+        source["weights"] = dict(zip(sources, spec["weights"]))  # each source's share of the windows
     return {"from_run": str(run.folder), "teacher": provenance.base_identity(run.recipe.model)["model"],
             **source, "budget": record["budget"], "tokens": record["tokens"], "seed": record["seed"]}
 
