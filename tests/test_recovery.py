@@ -213,6 +213,7 @@ def test_weights_share_a_mixture_and_a_zero_share_is_never_read(word_tokenizer, 
     assert int((w.train.input_ids == king).any(-1).sum()) == 30  # 3 of every 4 training windows
     assert int((w.validation.input_ids == king).any(-1).sum()) == 4  # 3.75 + 1.25: the larger remainder rounds up
     assert spec.shares() == [3, 1] and RecoverySpec(data=[a, b]).shares() == [1.0, 1.0]
+    assert w.source == f"{a} ×3, {b} ×1"  # the shares in the run's record and summary line
     (tmp_path / "b.txt").unlink()  # a source with no share is not read
     only_a = from_source(RecoverySpec(data=[a, b], weights=[1, 0], length=16, batch_size=4), word_tokenizer, 40, 5)
     assert bool((only_a.train.input_ids == king).any(-1).all())

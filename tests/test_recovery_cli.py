@@ -94,7 +94,7 @@ def test_recover_mixes_sources_given_twice_and_records_each(llama_run, tmp_path,
     # beside a kind of text of the user's, three windows of it to one
     r = json.loads((tmp_path / "gen" / "metrics.json").read_text())["recovery"]
     prov = json.loads((tmp_path / "gen" / "provenance.json").read_text())["recovery"]
-    assert r["data"] == "generated, python-docs:dev" and r["kept"] in ("recovered", "pruned")
+    assert r["data"] == "generated ×3, python-docs:dev ×1" and r["kept"] in ("recovered", "pruned")
     assert prov["generated"]["by"] == "teacher" and prov["source"]["kind"] == "python-docs"
     assert prov["weights"] == {"generated": 3, "python-docs:dev": 1} and r["spec"]["weights"] == [3, 1]
     capsys.readouterr()  # the generation's progress

@@ -100,8 +100,9 @@ def from_source(spec: RecoverySpec, tokenizer, n_train: int, n_val: int, texts: 
     w = spec.shares()
     parts = [one(s, t, v) for s, t, v in zip(spec.sources, shares(n_train, w), shares(n_val, w)) if t + v > 0]
     order = torch.randperm(n_train, generator=torch.Generator().manual_seed(spec.seed))
+    named = spec.sources if spec.weights is None else [f"{x} ×{v:g}" for x, v in zip(spec.sources, w)]
     return Windows(take(concat([p.train for p in parts]), order), concat([p.validation for p in parts]),
-                   ", ".join(spec.sources), max(p.epochs for p in parts))
+                   ", ".join(named), max(p.epochs for p in parts))
 
 
 def _windows(spec: RecoverySpec, source: str, tokenizer, n_train: int, n_val: int,
