@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pruner.core.mixture import check_sources
+from pruner.core.mixture import check_shares, check_sources
 
 METHODS = ("full", "blocks", "lora", "attention")
 GENERATED = "generated"  # text sampled from the teacher itself
@@ -92,13 +92,9 @@ class RecoverySpec(BaseModel):
     def _weights(self):
         """One weight per source of a list (>= 0, a positive finite sum); none for a single source."""
         if self.weights is not None:
-            n = len(self.sources)
-            if n == 1:
-                raise ValueError("recovery.weights: weights share a list of sources; recovery.data names one")
-            if len(self.weights) != n:
-                raise ValueError(f"recovery.weights: {len(self.weights)} weights for {n} sources")
-            if any(not w >= 0 for w in self.weights) or not 0 < sum(self.weights) < float("inf"):
-                raise ValueError(f"recovery.weights must be >= 0 and sum to a positive number, got {self.weights}")
+            if len(self.sources) == 1:
+                raise ValueError("weights share a list of sources; recovery.data names one")
+            check_shares(len(self.sources), self.weights, self.tokens, None)  # the calibration mixture's checks
         return self
 
     def shares(self) -> list[float]:
